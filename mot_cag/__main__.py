@@ -1,0 +1,3 @@
+from mot_cag.cli import main
+
+main()

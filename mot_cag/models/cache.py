@@ -1,0 +1,277 @@
+"""The one module that touches the transformers cache API.
+
+transformers 5.24: models take ``cache=`` (``past_key_values`` is deprecated), a forward pass mutates the cache
+in place, and ``DynamicCache.layers[i].keys/.values`` are ``[batch, kv_heads, seq, head_dim]``. Everything else in
+mot-cag works with :class:`KVChunk`, a plain pair of stacked tensors, and converts here.
+
+Position convention of a chunk: the chunk records ``start``, the global position of its first token. RoPE keys
+are stored rotated as computed at ``start .. start+seq-1`` and can be moved exactly by rotating them by the
+position delta (rotations compose). Absolute-position families (GPT-2, OPT) bake positions into every layer's
+K/V, so their chunks cannot be moved: :func:`reposition` refuses instead of producing a wrong cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import DynamicCache
+
+from mot_cag.errors import MotCagError
+from mot_cag.models.layout import KVLayout, rope_inv_freq
+
+
+@dataclass
+class KVChunk:
+    """KV tensors of a run of tokens, all layers stacked.
+
+    Attributes:
+        keys: ``[layers, kv_heads, seq, head_dim]``.
+        values: ``[layers, kv_heads, seq, head_dim]``.
+        start: Global position of the first token (RoPE keys are rotated for ``start + i``).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
+            raise ValueError(
+                "KVChunk keys and values must both be [layers, kv_heads, seq, head_dim]; got "
+                f"{tuple(self.keys.shape)} and {tuple(self.values.shape)}."
+            )
+
+    @property
+    def length(self) -> int:
+        """Number of tokens."""
+        return int(self.keys.shape[2])
+
+    @property
+    def end(self) -> int:
+        """Position just after the last token."""
+        return self.start + self.length
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVChunk:
+        """Copy to another device/dtype."""
+        return replace(self, keys=self.keys.to(device=device, dtype=dtype),
+                       values=self.values.to(device=device, dtype=dtype))
+
+    def slice(self, begin: int, end: int) -> KVChunk:
+        """Tokens ``begin:end`` (chunk-relative) as a new chunk with the matching start."""
+        return KVChunk(self.keys[:, :, begin:end], self.values[:, :, begin:end], self.start + begin)
+
+
+def check_layout(chunk: KVChunk, layout: KVLayout) -> None:
+    """Raise a clear error when a chunk does not fit a model's cache layout."""
+    want = (layout.layers, layout.kv_heads, layout.head_dim)
+    got = (chunk.keys.shape[0], chunk.keys.shape[1], chunk.keys.shape[3])
+    if want != got:
+        raise MotCagError(
+            f"This KV chunk has (layers, kv_heads, head_dim) = {got} but the model expects {want}; "
+            "it was made by another model: translate it or re-ingest with this model."
+        )
+
+
+# --------------------------------------------------------------------------------------------- conversion
+
+
+def to_dynamic_cache(chunk: KVChunk | None, config) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding ``chunk`` (batch 1). A forward pass will append to it in place."""
+    cache = DynamicCache(config=config)
+    if chunk is not None and chunk.length > 0:
+        for layer in range(chunk.keys.shape[0]):
+            # (L, H, T, D)[layer] -> (1, H, T, D)
+            cache.update(chunk.keys[layer].unsqueeze(0), chunk.values[layer].unsqueeze(0), layer)
+    return cache
+
+
+def from_dynamic_cache(cache: DynamicCache, start: int = 0, begin: int = 0) -> KVChunk:
+    """Stack a batch-1 cache's layers into a chunk, keeping tokens from ``begin`` on."""
+    keys = torch.stack([layer.keys[0, :, begin:] for layer in cache.layers])  # (L, H, T, D)
+    values = torch.stack([layer.values[0, :, begin:] for layer in cache.layers])
+    return KVChunk(keys, values, start + begin)
+
+
+def empty_chunk(layout: KVLayout, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> KVChunk:
+    """A zero-length chunk of the right shape (the ``none`` context)."""
+    shape = (layout.layers, layout.kv_heads, 0, layout.head_dim)
+    return KVChunk(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def _position_ids(start: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + n, device=device).unsqueeze(0)  # (1, n)
+
+
+def forward(
+    model,
+    input_ids: torch.Tensor,
+    context: KVChunk | None = None,
+    *,
+    start: int | None = None,
+    keep_cache: bool = True,
+) -> tuple[torch.Tensor, KVChunk | None]:
+    """Run ``input_ids`` after a context cache.
+
+    Args:
+        model: A Hugging Face causal LM.
+        input_ids: ``[seq]`` or ``[1, seq]`` token ids.
+        context: KV of the tokens before ``input_ids`` (not modified), or ``None``.
+        start: Global position of ``input_ids[0]``; defaults to ``context.end`` (or 0).
+        keep_cache: Return the extended cache (context + new tokens) as a chunk.
+
+    Returns:
+        ``(logits [seq, vocab], cache)``; ``cache`` covers the context and the new tokens.
+    """
+    ids = input_ids.view(1, -1).to(model.device)
+    if start is None:
+        start = context.end if context is not None else 0
+    past = context.length if context is not None else 0
+    cache = to_dynamic_cache(context, model.config)
+    # OPT derives positions from the mask when none are given, so always pass both explicitly.
+    mask = torch.ones(1, past + ids.shape[1], dtype=torch.long, device=ids.device)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=_position_ids(start, ids.shape[1], ids.device),
+        cache=cache,
+        use_cache=True,
+    )
+    chunk = None
+    if keep_cache:
+        # The forward pass appended the new tokens to ``cache`` in place.
+        chunk = from_dynamic_cache(cache, start=context.start if context is not None else start)
+    return out.logits[0], chunk
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, start: int = 0) -> KVChunk:
+    """Prefill ``input_ids`` at positions ``start..`` and return their KV as a chunk."""
+    _, chunk = forward(model, input_ids, None, start=start)
+    assert chunk is not None
+    return chunk
+
+
+# ------------------------------------------------------------------------------------------ positioning
+
+
+def rotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE keys by ``delta`` positions (HF ``rotate_half`` convention).
+
+    Args:
+        keys: ``[..., seq, head_dim]``.
+        delta: Scalar shift, or ``[seq]`` per-token shifts.
+        inv_freq: ``[rotary_dim // 2]``; dims past ``rotary_dim`` are left alone (partial rotary).
+    """
+    rot = inv_freq.shape[0] * 2
+    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
+    if delta_t.dim() == 0:
+        delta_t = delta_t.expand(keys.shape[-2])
+    # Angles in float64 so large shifts stay exact to fp32 precision.
+    freqs = delta_t[:, None] * inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]  # (T, rot/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, rot)
+    cos, sin = emb.cos().to(keys.dtype), emb.sin().to(keys.dtype)
+    k_rot, k_pass = keys[..., :rot], keys[..., rot:]
+    half = rot // 2
+    rotated_half = torch.cat((-k_rot[..., half:], k_rot[..., :half]), dim=-1)
+    return torch.cat((k_rot * cos + rotated_half * sin, k_pass), dim=-1)
+
+
+class Positioner:
+    """Moves chunks of one model to new global positions."""
+
+    def __init__(self, layout: KVLayout, config=None):
+        self.layout = layout
+        self.inv_freq = rope_inv_freq(config) if layout.positions == "rope" and config is not None else None
+        if layout.positions == "rope" and self.inv_freq is None:
+            theta = layout.rope_theta or 10000.0
+            d = layout.head_dim
+            self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def reposition(self, chunk: KVChunk, new_start: int) -> KVChunk:
+        """The same chunk as if it had been prefilled at ``new_start``.
+
+        Raises:
+            MotCagError: For absolute-position families, whose K/V cannot be moved after prefill.
+        """
+        delta = new_start - chunk.start
+        if delta == 0:
+            return chunk
+        if self.layout.positions != "rope":
+            raise MotCagError(
+                f"Cannot move a {self.layout.family} cache from position {chunk.start} to {new_start}: "
+                "absolute positions are baked into every layer's K/V; prefill (or translate) the chunk at its "
+                "target position instead."
+            )
+        keys = rotate_keys(chunk.keys, delta, self.inv_freq)
+        return KVChunk(keys, chunk.values, new_start)
+
+    def concat(self, chunks: Sequence[KVChunk], start: int = 0) -> KVChunk:
+        """Place chunks one after another from ``start`` and join them into one context."""
+        if not chunks:
+            raise ValueError("concat needs at least one chunk")
+        placed = []
+        pos = start
+        for chunk in chunks:
+            placed.append(self.reposition(chunk, pos))
+            pos += chunk.length
+        return join(placed)
+
+
+def join(chunks: Sequence[KVChunk]) -> KVChunk:
+    """Concatenate chunks that are already at consecutive positions."""
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        if a.end != b.start:
+            raise ValueError(f"chunks are not contiguous: one ends at {a.end}, the next starts at {b.start}")
+    keys = torch.cat([c.keys for c in chunks], dim=2)  # (L, H, sum T, D)
+    values = torch.cat([c.values for c in chunks], dim=2)
+    return KVChunk(keys, values, chunks[0].start)
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+
+@torch.no_grad()
+def greedy_tokens(
+    model,
+    prompt_ids: torch.Tensor,
+    context: KVChunk | None,
+    max_new_tokens: int,
+    stop: Callable[[list[int]], bool] | None = None,
+    eos_token_id: int | None = None,
+) -> Iterator[int]:
+    """Greedily decode after ``context`` + ``prompt_ids``, yielding each new token id as it is chosen.
+
+    Args:
+        model: Causal LM.
+        prompt_ids: ``[seq]`` ids that follow the context (at least one).
+        context: Cached context, or ``None``.
+        max_new_tokens: Upper bound on generated tokens.
+        stop: Called with the generated ids so far; ``True`` ends decoding (after yielding that token).
+        eos_token_id: Ends decoding when produced (not yielded).
+    """
+    logits, cache = forward(model, prompt_ids, context)
+    limit = model.config.max_position_embeddings if hasattr(model.config, "max_position_embeddings") else None
+    limit = limit or getattr(model.config, "n_positions", None)
+    out: list[int] = []
+    assert cache is not None
+    dyn = to_dynamic_cache(cache, model.config)
+    pos = cache.end
+    next_id = int(logits[-1].argmax())
+    for _ in range(max_new_tokens):
+        if eos_token_id is not None and next_id == eos_token_id:
+            return
+        out.append(next_id)
+        yield next_id
+        if (stop is not None and stop(out)) or (limit is not None and pos >= limit):
+            return
+        ids = torch.tensor([[next_id]], device=model.device)
+        mask = torch.ones(1, pos - cache.start + 1, dtype=torch.long, device=model.device)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(pos, 1, model.device),
+                     cache=dyn, use_cache=True)
+        pos += 1
+        next_id = int(step.logits[0, -1].argmax())

@@ -1,0 +1,273 @@
+"""Model registry: zoo names, aliases, Hugging Face ids and local folders, loaded offline-first.
+
+Resolution order for a name: a bundled zoo model, an existing local directory, an alias (``opt-1.3b`` ->
+``facebook/opt-1.3b``), then a Hugging Face id looked up in the local HF cache only. Nothing is ever
+downloaded; a model that is not on this machine raises :class:`ModelNotFoundError` with one sentence saying
+what was looked for, where, how to get it, and what is available.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from mot_cag.errors import ModelNotFoundError, MotCagError
+from mot_cag.models.layout import SUPPORTED_FAMILIES, KVLayout
+
+ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "models"
+
+ALIASES: dict[str, str] = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "opt-125m": "facebook/opt-125m",
+    "opt-350m": "facebook/opt-350m",
+    "opt-1.3b": "facebook/opt-1.3b",
+    "opt-2.7b": "facebook/opt-2.7b",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-3b": "Qwen/Qwen2.5-3B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen2.5-0.5b-instruct": "Qwen/Qwen2.5-0.5B-Instruct",
+    "qwen2.5-1.5b-instruct": "Qwen/Qwen2.5-1.5B-Instruct",
+    "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
+}
+
+Origin = Literal["zoo", "local", "hf-cache"]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a model name resolved to."""
+
+    name: str
+    path: Path
+    origin: Origin
+
+
+def zoo_names() -> list[str]:
+    """Names of the bundled zoo models present in this install."""
+    if not ZOO_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ZOO_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def _hf_cache_lookup(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
+        return None
+    return Path(path) if (Path(path) / "config.json").is_file() else None
+
+
+def resolve(name: str) -> ModelRef:
+    """Find a model on this machine.
+
+    Raises:
+        ModelNotFoundError: With a one-sentence explanation when it is not here.
+    """
+    if not name or not name.strip():
+        raise ModelNotFoundError("No model name was given; pass a zoo name, an alias, a Hugging Face id or a path.")
+    if name in zoo_names():
+        return ModelRef(name, ZOO_DIR / name, "zoo")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"Directory '{local}' has no config.json; point to a folder saved with save_pretrained."
+            )
+        return ModelRef(name, local.resolve(), "local")
+    repo_id = ALIASES.get(name.lower(), name)
+    cached = _hf_cache_lookup(repo_id) if "/" in repo_id else None
+    if cached is not None:
+        return ModelRef(name, cached, "hf-cache")
+    available = ", ".join(zoo_names()) or "none"
+    alias_note = f" (alias of {repo_id})" if repo_id != name else ""
+    hub = "huggingface-cli download " + repo_id if "/" in repo_id else "save it with save_pretrained to a folder"
+    raise ModelNotFoundError(
+        f"Model '{name}'{alias_note} is not on this machine (looked in the bundled zoo, local paths and the "
+        f"Hugging Face cache at {_hf_cache_dir()}, never downloading): fetch it where a hub is reachable "
+        f"(`{hub}`) or pass a local folder; available here: {available}."
+    )
+
+
+def _hf_cache_dir() -> str:
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return str(HF_HUB_CACHE)
+    except Exception:  # noqa: BLE001
+        return os.path.expanduser("~/.cache/huggingface/hub")
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to prefill and generate."""
+
+    name: str
+    ref: ModelRef
+    model: torch.nn.Module
+    tokenizer: object
+    layout: KVLayout
+    fingerprint: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def fingerprint(path: Path) -> str:
+    """Stable identity of a model's weights and tokenizer (16 hex chars).
+
+    Hashes the config, tokenizer files and, for each weight file, its name, size and first and last 4 MiB:
+    cheap for multi-GB checkpoints, and any retraining changes it.
+    """
+    h = hashlib.sha256()
+    for fname in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        f = path / fname
+        if f.is_file():
+            h.update(fname.encode())
+            h.update(f.read_bytes())
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(4 << 20))
+            if size > 8 << 20:
+                fh.seek(-(4 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def load_config(name: str):
+    """Resolve ``name`` and read its config without loading weights."""
+    from transformers import AutoConfig
+
+    ref = resolve(name)
+    return ref, AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
+
+
+def load_model(
+    name: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a model and its fast tokenizer, offline.
+
+    Raises:
+        ModelNotFoundError: The model is not on this machine.
+        MotCagError: The family is unsupported or the tokenizer is not a fast tokenizer.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    ref = resolve(name)
+
+    config = AutoConfig.from_pretrained(ref.path, trust_remote_code=trust_remote_code)
+    try:
+        layout = KVLayout.from_config(config)
+    except ValueError as e:
+        raise MotCagError(str(e)) from None
+    tokenizer = AutoTokenizer.from_pretrained(ref.path, use_fast=True, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "is_fast", False):
+        raise MotCagError(
+            f"Model '{name}' has no fast tokenizer (tokenizer.json); mot-cag needs character offsets to align "
+            "tokenizers: convert it with transformers' convert_slow_tokenizer and save it beside the model."
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        ref.path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return LoadedModel(name, ref, model, tokenizer, layout, fingerprint(ref.path))
+
+
+# ------------------------------------------------------------------------------------------------ listing
+
+
+def _param_count(path: Path) -> int:
+    """Parameters counted from safetensors headers, without loading any tensor."""
+    total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            count = 1
+            for d in info["shape"]:
+                count *= d
+            total += count
+    return total
+
+
+def describe(ref: ModelRef) -> dict:
+    """The ``mot-cag models --json`` record of one model."""
+    from transformers import AutoConfig
+
+    layout = KVLayout.from_config(AutoConfig.from_pretrained(ref.path, trust_remote_code=False))
+    return {
+        "name": ref.name,
+        "family": layout.family,
+        "layers": layout.layers,
+        "kv_heads": layout.kv_heads,
+        "head_dim": layout.head_dim,
+        "params": _param_count(ref.path),
+        "positions": layout.positions,
+        "origin": ref.origin,
+    }
+
+
+def _hf_cache_models() -> list[ModelRef]:
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # noqa: BLE001 - no cache or unreadable cache: nothing to list
+        return []
+    refs = []
+    for repo in info.repos:
+        if repo.repo_type != "model":
+            continue
+        for rev in repo.revisions:
+            cfg = Path(rev.snapshot_path) / "config.json"
+            if not cfg.is_file():
+                continue
+            try:
+                model_type = json.loads(cfg.read_text()).get("model_type")
+            except (OSError, json.JSONDecodeError):
+                continue
+            if model_type in SUPPORTED_FAMILIES and any(Path(rev.snapshot_path).glob("*.safetensors")):
+                alias = next((a for a, r in ALIASES.items() if r == repo.repo_id), repo.repo_id)
+                refs.append(ModelRef(alias, Path(rev.snapshot_path), "hf-cache"))
+                break
+    return refs
+
+
+def list_models() -> list[dict]:
+    """Every model usable here: the zoo, then supported models in the HF cache."""
+    refs = [ModelRef(n, ZOO_DIR / n, "zoo") for n in zoo_names()] + _hf_cache_models()
+    out = []
+    for ref in refs:
+        try:
+            out.append(describe(ref))
+        except Exception:  # noqa: BLE001 - a broken folder must not hide the others
+            continue
+    return out
