@@ -100,6 +100,97 @@ def models_check(
         raise typer.Exit(1)
 
 
+# --------------------------------------------------------------------------------------------------- data
+
+data_app = typer.Typer(help="Synthetic datasets in the format the zoo models learn (shared spec).")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("synth")
+def data_synth(
+    task: Annotated[str, typer.Option(help="qa, closed, repeat, needle, multikey or multihop.")] = "qa",
+    n: Annotated[int, typer.Option(help="Number of examples.")] = 100,
+    seed: Annotated[int, typer.Option(help="Random seed (held-out data: a seed never used in training).")] = 1,
+    context_tokens: Annotated[int | None, typer.Option(help="Context length for needle/multikey.")] = None,
+    out_file: Annotated[str, typer.Option("--out", help="Output JSONL file.")] = "synthetic.jsonl",
+) -> None:
+    """Write a synthetic dataset as JSONL ({"id","context","question","answer","cue",...} per line)."""
+    from mot_cag.data.synthetic import synth_dataset, write_jsonl
+
+    try:
+        rows = synth_dataset(task, n, seed, context_tokens=context_tokens)
+    except ValueError as e:
+        raise MotCagError(str(e)) from None
+    path = write_jsonl(rows, out_file)
+    err.print(f"wrote {len(rows)} {task} examples to {path}")
+
+
+# --------------------------------------------------------------------------------------------------- eval
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: Annotated[str, typer.Option(help="synthetic:TASK, a JSONL file, or an offline HF dataset.")],
+    target: Annotated[str, typer.Option(help="The answering model.")],
+    source: Annotated[str | None, typer.Option(help="The model whose caches are translated.")] = None,
+    mode: Annotated[list[str] | None, typer.Option(
+        help="translated, direct, native-chunks, none (repeatable; default: all with --source, else "
+             "direct and none).")] = None,
+    store: Annotated[str | None, typer.Option(help="Retrieve contexts from this store (long-context CAG).")] = None,
+    top_k: Annotated[int, typer.Option(help="Chunks retrieved per question with --store.")] = 4,
+    limit: Annotated[int | None, typer.Option(help="Evaluate at most N examples.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of synthetic datasets.")] = 0,
+    translator: Annotated[str | None, typer.Option(help="Translator folder (default: the one found for the pair).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    details: Annotated[str | None, typer.Option(help="Write per-example results to this JSONL file.")] = None,
+    plot: Annotated[str | None, typer.Option(help="Save a bar chart of the scores per mode (PNG).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Score a target on a dataset in several context modes: exact match, F1, closed-set accuracy, repeat
+    token accuracy, answer NLL and KL to direct context, and retention of translated vs direct."""
+    from dataclasses import asdict
+
+    from mot_cag.evaluation.run import EvalRequest, run_eval
+    from mot_cag.evaluation.report import render_table, save_plot
+
+    req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
+                      limit=limit, seed=seed, device=device, translator=translator)
+    with _progress(not as_json) as progress:
+        report, results = run_eval(req, progress=progress)
+    if details:
+        with open(details, "w", encoding="utf-8") as fh:
+            for r in results:
+                fh.write(json.dumps(asdict(r)) + "\n")
+    if plot:
+        save_plot(report, plot)
+    if as_json:
+        _print_json(report)
+    else:
+        out.print(render_table(report))
+
+
+def _progress(enabled: bool):
+    """A rich progress bar on stderr; yields ``(total, done) -> advance(n)``."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+    @contextmanager
+    def ctx():
+        if not enabled or not err.is_terminal:
+            yield None
+            return
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as prog:
+            def start(total: int, done: int = 0):
+                task = prog.add_task("examples", total=total, completed=done)
+                return lambda n=1: prog.advance(task, n)
+
+            yield start
+
+    return ctx()
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 

@@ -59,7 +59,7 @@ def build(family: str, path: Path, seed: int = 0) -> Path:
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     elif family == "qwen2":
         tok = make_tokenizer(340)
-        cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=512, hidden_size=32, intermediate_size=64,
+        cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=2048, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id)

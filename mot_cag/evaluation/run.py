@@ -1,0 +1,102 @@
+"""``mot-cag eval`` as a library call: load models and data, build the modes, run, report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mot_cag.errors import MotCagError
+from mot_cag.evaluation.datasets import load_examples
+from mot_cag.evaluation.runner import Evaluator, ExampleResult, evaluate
+from mot_cag.models.registry import LoadedModel, load_model
+from mot_cag.pipeline.context import MODES, Piece, make_builder
+
+
+@dataclass
+class EvalRequest:
+    """What to evaluate (mirrors the CLI options)."""
+
+    dataset: str
+    target: str
+    source: str | None = None
+    modes: list[str] = field(default_factory=list)
+    store: str | None = None
+    top_k: int = 4
+    limit: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    translator: str | None = None
+    max_new_tokens: int = 24
+
+
+def default_modes(source: str | None) -> list[str]:
+    """Every mode when a source model is named, else the target alone with and without the context."""
+    return ["translated", "direct", "native-chunks", "none"] if source else ["direct", "none"]
+
+
+def _check_modes(modes: list[str], source: str | None) -> None:
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise MotCagError(f"Unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}.")
+    if "translated" in modes and not source:
+        raise MotCagError("Mode 'translated' needs a source model: pass --source NAME (the model that prefilled).")
+
+
+def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], None]] | None = None) -> tuple[
+        dict, list[ExampleResult]]:
+    """Evaluate ``req.target`` on ``req.dataset`` in ``req.modes``.
+
+    Returns:
+        The cli.md report (``n``, ``source``, ``target``, ``modes``, ``retention``, plus ``skipped``) and the
+        per-example results.
+    """
+    from mot_cag.device import pick_device
+
+    modes = list(dict.fromkeys(req.modes or default_modes(req.source)))
+    _check_modes(modes, req.source)
+    device = pick_device(req.device)
+    torch.manual_seed(req.seed)
+    target = load_model(req.target, device=device)
+    source = load_model(req.source, device=device) if req.source else None
+    examples = load_examples(req.dataset, limit=req.limit, seed=req.seed)
+    if not examples:
+        raise MotCagError(f"Dataset {req.dataset} has no examples.")
+
+    translate_piece = None
+    if "translated" in modes:
+        from mot_cag.pipeline.translation import piece_translator
+
+        translate_piece = piece_translator(source, target, translator=req.translator)
+    builders = {m: make_builder(m, target, translate_piece) for m in modes}
+    evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
+    pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
+    tick = progress(len(examples), 0) if progress else None
+    report, results = evaluate(examples, evaluator, pieces_for, tick)
+    report = {"n": report["n"], "source": source.name if source else None, "target": target.name,
+              "modes": report["modes"], "retention": report["retention"], "skipped": report["skipped"],
+              "dataset": req.dataset}
+    return report, results
+
+
+def _pieces_from_examples(source: LoadedModel | None) -> Callable[[dict], tuple[list[Piece], float | None]]:
+    """Each example's own ``context`` is one piece; its source KV is the source model's prefill of it."""
+    from mot_cag.models import cache as kv
+    from mot_cag.prompts import as_tensor, encode
+
+    def pieces_for(ex: dict) -> tuple[list[Piece], float | None]:
+        text = ex.get("context") or ""
+        load = None
+        if source is not None:
+            def load(text=text):
+                return kv.prefill(source.model, as_tensor(encode(source.tokenizer, text), source.device))
+        return ([Piece(text, key=None, source_kv=load)] if text else []), None
+
+    return pieces_for
+
+
+def _pieces_from_store(req: EvalRequest, source: LoadedModel | None, target: LoadedModel):
+    from mot_cag.pipeline.retrieval import store_pieces_for
+
+    return store_pieces_for(req.store, top_k=req.top_k, source=source, device=target.device)

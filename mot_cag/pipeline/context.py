@@ -1,0 +1,215 @@
+"""Context modes: how a target model gets the retrieved context before the question.
+
+Every mode turns the same list of context pieces (chunk texts, with the source model's KV where it exists)
+into one target-space :class:`~mot_cag.models.cache.KVChunk` covering, in order, the target's BOS ids (if
+its tokenizer uses one) and each piece's target tokens. Token sequences are identical across modes, so
+scores differ only by how the cache was obtained:
+
+- ``direct``: the target prefills the concatenated text itself, one pass (cross-chunk attention included);
+- ``native-chunks``: the target prefills each piece separately and the pieces are joined (RoPE: moved by
+  rotation, cached per piece; absolute positions: prefilled at their global position);
+- ``translated``: the source model's KV of each piece is translated into the target's cache space;
+- ``none``: no context at all (only BOS).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mot_cag.models import cache as kv
+from mot_cag.models.registry import LoadedModel
+from mot_cag.prompts import as_tensor, bos_ids, encode
+
+Mode = Literal["translated", "direct", "native-chunks", "none"]
+MODES: tuple[str, ...] = ("translated", "direct", "native-chunks", "none")
+
+
+@dataclass
+class Piece:
+    """One context piece (a retrieved chunk, or a whole document).
+
+    Attributes:
+        text: The piece's text as stored.
+        key: Stable identity (content hash) used for caching; defaults to the text.
+        source_kv: Loads the source model's KV of this piece (prefilled at 0), if any.
+    """
+
+    text: str
+    key: str | None = None
+    source_kv: Callable[[], kv.KVChunk] | None = None
+
+    @property
+    def cache_key(self) -> str:
+        return self.key or self.text
+
+
+@dataclass
+class TargetContext:
+    """A target-space context ready for the question."""
+
+    kv: kv.KVChunk | None
+    tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LRU(OrderedDict):
+    """A small least-recently-used map (translated or native chunks per target)."""
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+
+    def get_or(self, key, make: Callable[[], object]):
+        if key in self:
+            self.move_to_end(key)
+            self.hits += 1
+            return self[key]
+        self.misses += 1
+        value = make()
+        self[key] = value
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+        return value
+
+
+class ContextBuilder:
+    """Builds a target's context in one mode."""
+
+    mode: str = "?"
+
+    def __init__(self, target: LoadedModel):
+        self.target = target
+        self.device = target.device
+        self.bos = bos_ids(target.tokenizer)
+        self.positioner = kv.Positioner(target.layout, target.model.config)
+
+    def build(self, pieces: list[Piece]) -> TargetContext:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _bos_chunk(self) -> kv.KVChunk | None:
+        return kv.prefill(self.target.model, as_tensor(self.bos, self.device)) if self.bos else None
+
+    def piece_ids(self, piece: Piece) -> list[int]:
+        return encode(self.target.tokenizer, piece.text)
+
+
+class NoneContext(ContextBuilder):
+    """No context: the target sees only its BOS (if any) before the question."""
+
+    mode = "none"
+
+    def build(self, pieces: list[Piece]) -> TargetContext:
+        t0 = time.perf_counter()
+        chunk = self._bos_chunk()
+        return TargetContext(chunk, len(self.bos), {"prefill_s": time.perf_counter() - t0})
+
+
+class DirectContext(ContextBuilder):
+    """The target reads the pieces' text itself (one prefill over everything)."""
+
+    mode = "direct"
+
+    def build(self, pieces: list[Piece]) -> TargetContext:
+        t0 = time.perf_counter()
+        ids = list(self.bos)
+        for p in pieces:
+            ids += self.piece_ids(p)
+        chunk = kv.prefill(self.target.model, as_tensor(ids, self.device)) if ids else None
+        return TargetContext(chunk, len(ids), {"prefill_s": time.perf_counter() - t0})
+
+
+class NativeChunksContext(ContextBuilder):
+    """The target's own caches of each piece, prefilled separately and joined."""
+
+    mode = "native-chunks"
+
+    def __init__(self, target: LoadedModel, cache: LRU | None = None):
+        super().__init__(target)
+        self.cache = cache if cache is not None else LRU()
+
+    def build(self, pieces: list[Piece]) -> TargetContext:
+        t0 = time.perf_counter()
+        parts = [c for c in [self._bos_chunk()] if c is not None]
+        pos = len(self.bos)
+        rope = self.target.layout.positions == "rope"
+        for p in pieces:
+            ids = self.piece_ids(p)
+            if not ids:
+                continue
+            if rope:  # prefill once at 0, move by rotation
+                at0 = self.cache.get_or(p.cache_key, lambda ids=ids: kv.prefill(self.target.model,
+                                                                                 as_tensor(ids, self.device)))
+                parts.append(self.positioner.reposition(at0, pos))
+            else:  # absolute positions live in K/V: prefill where the piece will sit
+                key = (p.cache_key, pos)
+                parts.append(self.cache.get_or(key, lambda ids=ids, pos=pos: kv.prefill(
+                    self.target.model, as_tensor(ids, self.device), start=pos)))
+            pos += len(ids)
+        chunk = kv.join(parts) if parts else None
+        return TargetContext(chunk, pos, {"prefill_s": time.perf_counter() - t0})
+
+
+TranslateFn = Callable[[Piece, int], kv.KVChunk]
+"""Translate one piece into the target's cache space at a global start position."""
+
+
+class TranslatedContext(ContextBuilder):
+    """Source caches of each piece translated into the target's cache space and joined.
+
+    Args:
+        target: The answering model.
+        translate_piece: ``(piece, start) -> KVChunk`` in the target's layout, covering
+            ``encode(target.tokenizer, piece.text)`` at positions ``start..``.
+        cache: LRU of translated pieces (keyed by piece and, for absolute-position targets, start).
+    """
+
+    mode = "translated"
+
+    def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None):
+        super().__init__(target)
+        self.translate_piece = translate_piece
+        self.cache = cache if cache is not None else LRU()
+
+    def build(self, pieces: list[Piece]) -> TargetContext:
+        t0 = time.perf_counter()
+        parts = [c for c in [self._bos_chunk()] if c is not None]
+        pos = len(self.bos)
+        rope = self.target.layout.positions == "rope"
+        for p in pieces:
+            n = len(self.piece_ids(p))
+            if n == 0:
+                continue
+            if rope:
+                at0 = self.cache.get_or(p.cache_key, lambda p=p: self.translate_piece(p, 0))
+                parts.append(self.positioner.reposition(at0, pos))
+            else:
+                parts.append(self.cache.get_or((p.cache_key, pos), lambda p=p, pos=pos: self.translate_piece(p, pos)))
+            pos += n
+        chunk = kv.join(parts) if parts else None
+        return TargetContext(chunk, pos, {"translate_s": time.perf_counter() - t0})
+
+
+def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bool:
+    """Whether ``tokens`` of context leave ``reserve`` positions for the question and answer."""
+    return tokens + reserve <= target.layout.max_positions
+
+
+def make_builder(mode: str, target: LoadedModel, translate_piece: TranslateFn | None = None) -> ContextBuilder:
+    """The builder of a mode name (``translated`` needs ``translate_piece``)."""
+    if mode == "none":
+        return NoneContext(target)
+    if mode == "direct":
+        return DirectContext(target)
+    if mode == "native-chunks":
+        return NativeChunksContext(target)
+    if mode == "translated":
+        if translate_piece is None:
+            raise ValueError("translated mode needs a translate_piece function")
+        return TranslatedContext(target, translate_piece)
+    raise ValueError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
