@@ -126,6 +126,8 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        if self.model is None:
+            return torch.device("cpu")
         return next(self.model.parameters()).device
 
 
@@ -165,8 +167,17 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load a model and its fast tokenizer, offline.
+
+    Args:
+        name: Zoo name, alias, Hugging Face id or local folder.
+        device: Where the weights go.
+        dtype: Weight dtype.
+        trust_remote_code: Allow model code from the checkpoint (off unless the user asks).
+        weights: ``False`` loads only config, tokenizer and fingerprint (``model`` is ``None``): enough to
+            align tokenizers and check a translator's pair without the cost of the weights.
 
     Raises:
         ModelNotFoundError: The model is not on this machine.
@@ -189,6 +200,8 @@ def load_model(
             f"Model '{name}' has no fast tokenizer (tokenizer.json); mot-cag needs character offsets to align "
             "tokenizers: convert it with transformers' convert_slow_tokenizer and save it beside the model."
         )
+    if not weights:
+        return LoadedModel(name, ref, None, tokenizer, layout, fingerprint(ref.path))
     model = AutoModelForCausalLM.from_pretrained(
         ref.path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
     )

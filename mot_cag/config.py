@@ -1,0 +1,97 @@
+"""Pipeline configuration: which source model fills the store, where it lives, how to chunk, embed,
+retrieve and answer. Read from TOML (``pipelines/default.toml`` by default); command-line options override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import tomllib
+
+from mot_cag.errors import MotCagError
+
+DEFAULT_PIPELINE = Path("pipelines/default.toml")
+MODES = ("translated", "direct", "native-chunks", "none")
+
+
+@dataclass
+class PipelineConfig:
+    """One pipeline.
+
+    Attributes:
+        source: Model that prefills documents into the store.
+        store: Store folder.
+        chunk_tokens: Chunk size in source tokens.
+        kv_dtype: Stored KV dtype (float16, bfloat16, float32).
+        embedder: Sentence-embedding model name or path for retrieval.
+        top_k: Chunks retrieved per question.
+        mode: Default context mode of ``ask``.
+        targets: Target models this pipeline is meant for (the demo asks each).
+        max_new_tokens: Generation budget of ``ask``.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    """
+
+    source: str = "qwen2-mini"
+    store: str = "stores/default"
+    chunk_tokens: int = 256
+    kv_dtype: str = "float16"
+    embedder: str = "all-MiniLM-L6-v2"
+    top_k: int = 4
+    mode: str = "translated"
+    targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
+    max_new_tokens: int = 48
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
+        if self.top_k < 1:
+            raise MotCagError(f"Pipeline top_k must be at least 1, got {self.top_k}.")
+        if self.chunk_tokens < 8:
+            raise MotCagError(f"Pipeline chunk_tokens must be at least 8, got {self.chunk_tokens}.")
+        if self.kv_dtype not in ("float16", "bfloat16", "float32"):
+            raise MotCagError(f"Pipeline kv_dtype '{self.kv_dtype}' is unknown; use float16, bfloat16 or float32.")
+
+    @classmethod
+    def from_file(cls, path: str | Path | None = None) -> PipelineConfig:
+        """Read a pipeline TOML; ``None`` reads ``pipelines/default.toml`` when present, else defaults.
+
+        Raises:
+            MotCagError: Missing file (when named), bad TOML, or unknown keys.
+        """
+        if path is None:
+            if not DEFAULT_PIPELINE.is_file():
+                return cls()
+            path = DEFAULT_PIPELINE
+        path = Path(path)
+        if not path.is_file():
+            raise MotCagError(f"Pipeline file {path} does not exist; pass an existing TOML file to --pipeline.")
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise MotCagError(f"Pipeline file {path} is not valid TOML ({e}).") from None
+        data = data.get("pipeline", data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise MotCagError(f"Pipeline file {path} has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+        return cls(**data)
+
+    def override(self, **options) -> PipelineConfig:
+        """A copy with the given non-``None`` options replaced (command-line overrides)."""
+        data = asdict(self)
+        data.update({k: v for k, v in options.items() if v is not None})
+        return PipelineConfig(**data)
+
+    def to_toml(self) -> str:
+        """TOML text of this config."""
+        lines = ["[pipeline]"]
+        for k, v in asdict(self).items():
+            if isinstance(v, list):
+                lines.append(f"{k} = [" + ", ".join(f'"{x}"' for x in v) + "]")
+            elif isinstance(v, str):
+                lines.append(f'{k} = "{v}"')
+            else:
+                lines.append(f"{k} = {v}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,126 @@
+"""Answer a question from a store: retrieve -> load -> translate -> assemble -> generate (``mot-cag ask``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mot_cag.errors import MotCagError
+from mot_cag.models import cache as kv
+from mot_cag.models.registry import LoadedModel, load_model
+from mot_cag.pipeline.context import MODES, ContextBuilder, Piece, make_builder
+from mot_cag.pipeline.retrieval import hits_to_pieces, open_store
+from mot_cag.prompts import as_tensor, encode, qa_suffix
+
+
+@dataclass
+class AskResult:
+    """What ``ask --json`` prints (cli.md)."""
+
+    answer: str
+    target: str
+    source: str
+    mode: str
+    chunks: list[dict]
+    timings: dict[str, float]
+    context_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"answer": self.answer, "target": self.target, "source": self.source, "mode": self.mode,
+                "chunks": self.chunks, "timings": self.timings, "context_tokens": self.context_tokens}
+
+
+class Asker:
+    """Answers questions from one store with one target in one mode; keeps models, translators and the
+    translated-chunk LRU warm across questions.
+
+    Args:
+        store: Store folder.
+        target: Target model name.
+        mode: ``translated`` (default), ``direct``, ``native-chunks`` or ``none``.
+        device: Torch device.
+        translator: Translator folder (default: the one found for the pair).
+        max_new_tokens: Generation budget.
+    """
+
+    def __init__(self, store: str, target: str | LoadedModel, mode: str = "translated",
+                 device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48):
+        if mode not in MODES:
+            raise MotCagError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
+        self.store = open_store(store)
+        self.mode = mode
+        self.max_new_tokens = max_new_tokens
+        self.target = target if isinstance(target, LoadedModel) else load_model(target, device=device)
+        self.source_name = self.store.source.name
+        translate_piece = None
+        if mode == "translated":
+            from mot_cag.pipeline.translation import piece_translator
+
+            source = load_model(self.source_name, weights=False)
+            if source.fingerprint != self.store.source.fingerprint:
+                raise MotCagError(f"Model '{self.source_name}' on this machine differs from the one that made store "
+                                  f"{self.store.root}; re-ingest the documents.")
+            translate_piece = piece_translator(source, self.target, translator=translator)
+        self.builder: ContextBuilder = make_builder(mode, self.target, translate_piece)
+
+    def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None) -> AskResult:
+        """Answer ``question``; ``on_text`` receives the answer as it grows (streaming)."""
+        if not question or not question.strip():
+            raise MotCagError("The question is empty; ask something, e.g. mot-cag ask \"Where was Ana Brell born?\".")
+        if top_k <= 0:
+            raise MotCagError(f"--top-k must be at least 1, got {top_k}.")
+        n_chunks = self.store.info()["chunks"]
+        if top_k > n_chunks:
+            raise MotCagError(f"--top-k {top_k} is larger than the store ({n_chunks} chunks); use --top-k {n_chunks} "
+                              "or fewer.")
+        t0 = time.perf_counter()
+        hits = self.store.search(question, k=top_k) if self.mode != "none" else []
+        t_retrieve = time.perf_counter() - t0
+        pieces = hits_to_pieces(self.store, hits, self.target.device)
+        t_load = 0.0
+        if self.mode == "translated":  # read every chunk now so load time is reported apart from translation
+            t1 = time.perf_counter()
+            loaded = [(p, p.source_kv()) for p in pieces]
+            pieces = [Piece(p.text, p.key, source_kv=lambda c=c: c) for p, c in loaded]
+            t_load = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        ctx = self.builder.build(pieces)
+        t_context = time.perf_counter() - t2
+        suffix = encode(self.target.tokenizer, qa_suffix(question))
+        if ctx.tokens + len(suffix) + 8 > self.target.layout.max_positions:
+            raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit {self.target.name}'s "
+                              f"{self.target.layout.max_positions} positions; lower --top-k.")
+        answer, ttft = self._generate(ctx.kv, suffix, t0, on_text)
+        total = time.perf_counter() - t0
+        timings = {"retrieve_s": t_retrieve, "load_s": t_load,
+                   "translate_s": t_context if self.mode == "translated" else 0.0,
+                   "prefill_s": t_context if self.mode != "translated" else 0.0,
+                   "ttft_s": ttft, "total_s": total}
+        chunks = [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text} for h in hits]
+        return AskResult(answer, self.target.name, self.source_name, self.mode, chunks, timings, ctx.tokens)
+
+    def _generate(self, context: kv.KVChunk | None, suffix: list[int], t0: float,
+                  on_text: Callable[[str], None] | None) -> tuple[str, float]:
+        tok = self.target.tokenizer
+        eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
+        ids: list[int] = []
+        ttft = None
+        shown = ""
+
+        def stop(generated: list[int]) -> bool:
+            return "\n" in tok.decode(generated)
+
+        for t in kv.greedy_tokens(self.target.model, as_tensor(suffix, self.target.device), context,
+                                  self.max_new_tokens, stop=stop, eos_token_id=eos):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            ids.append(t)
+            text = tok.decode(ids).split("\n")[0]
+            if on_text is not None and text != shown:
+                on_text(text[len(shown):])
+                shown = text
+        return tok.decode(ids).split("\n")[0].strip(), ttft if ttft is not None else time.perf_counter() - t0
