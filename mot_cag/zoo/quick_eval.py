@@ -1,0 +1,160 @@
+"""Quick measurements of a zoo model on held-out synthetic data (for training logs and model cards).
+
+Not the product's ``mot-cag eval`` (built separately); this is the recipe's own tape measure:
+
+* extractive exact match with the cue prompt, computed teacher-forced: the continuation ``" {value}."`` is
+  an exact greedy prediction iff every one of its tokens is the argmax (greedy decoding would reproduce
+  exactly that text and stop at the period), so one forward pass replaces generation;
+* mean NLL per token of ``" {value}"`` with and without the document;
+* closed-set accuracy by the likelihood of ``" {option}."`` after the cue;
+* repeat-task teacher-forced top-1 token accuracy (first token excluded), with and without the document.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mot_cag.data.synthetic import synth_dataset
+
+
+def _prompt(ex: dict, with_context: bool) -> str:
+    q = f"Question: {ex['question']}\nAnswer: {ex['cue']}"
+    return f"{ex['context']}\n{q}" if with_context else q
+
+
+@torch.no_grad()
+def continuation_stats(
+    model, tokenizer, prompt: str, continuation: str, n_score: int | None = None
+) -> tuple[float, int, bool, int]:
+    """Score a continuation after a prompt.
+
+    Args:
+        model: A causal LM (eval mode).
+        tokenizer: Its tokenizer.
+        prompt: Text before the continuation (special tokens such as OPT's BOS are added to it).
+        continuation: Text to score (no special tokens).
+        n_score: Score only the first ``n_score`` continuation tokens for the NLL (``None``: all).
+
+    Returns:
+        ``(sum_nll, n_tokens, all_argmax_correct, n_correct)`` over the continuation tokens.
+    """
+    p = tokenizer(prompt)["input_ids"]
+    c = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p + c], device=model.device)
+    logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # predictions for each continuation token
+    target = ids[0, len(p) :]
+    logp = torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+    k = len(c) if n_score is None else n_score
+    correct = logits.argmax(-1) == target
+    return float(-logp[:k].sum()), k, bool(correct.all()), int(correct.sum())
+
+
+def qa_metrics(model, tokenizer, examples: list[dict]) -> dict:
+    """Exact match and answer NLL with and without the document (extractive examples with a cue)."""
+    out = {}
+    for mode, with_ctx in (("direct", True), ("none", False)):
+        em, nll, ntok = 0, 0.0, 0
+        for ex in examples:
+            n_val = len(tokenizer(" " + ex["answer"], add_special_tokens=False)["input_ids"])
+            s, k, ok, _ = continuation_stats(model, tokenizer, _prompt(ex, with_ctx), f" {ex['answer']}.", n_val)
+            em += ok
+            nll += s
+            ntok += k
+        out[mode] = {"exact_match": em / len(examples), "nll": nll / max(ntok, 1)}
+    return out
+
+
+def closed_metrics(model, tokenizer, examples: list[dict]) -> dict:
+    """Closed-set accuracy (most likely option after the cue) with and without the document."""
+    out = {}
+    for mode, with_ctx in (("direct", True), ("none", False)):
+        right = 0
+        for ex in examples:
+            scores = [-continuation_stats(model, tokenizer, _prompt(ex, with_ctx), f" {o}.")[0] for o in ex["options"]]
+            right += int(max(range(len(scores)), key=scores.__getitem__) == ex["answer_index"])
+        out[mode] = {"accuracy": right / len(examples)}
+    return out
+
+
+def repeat_metrics(model, tokenizer, examples: list[dict]) -> dict:
+    """Teacher-forced top-1 accuracy on the repeated document's tokens (first excluded)."""
+    out = {}
+    for mode, with_ctx in (("direct", True), ("none", False)):
+        right, total = 0, 0
+        for ex in examples:
+            prompt = f"{ex['context']}\nRepeat:" if with_ctx else "Repeat:"
+            p = tokenizer(prompt)["input_ids"]
+            c = tokenizer(" " + ex["context"], add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([p + c], device=model.device)
+            with torch.no_grad():
+                pred = model(input_ids=ids).logits[0, len(p) - 1 : -1].argmax(-1)
+            hits = (pred == ids[0, len(p) :])[1:]
+            right += int(hits.sum())
+            total += hits.numel()
+        out[mode] = {"token_accuracy": right / max(total, 1)}
+    return out
+
+
+def quick_eval(
+    model,
+    tokenizer,
+    n: int = 40,
+    seed: int = 9001,
+    n_entities: int = 3,
+    facts_per_entity: int = 2,
+    long_tokens: int | None = None,
+) -> dict:
+    """Run the quick measurements on fresh held-out data (``split="eval"``: unseen names and values).
+
+    Args:
+        model: The model (any device; eval mode is set here and restored).
+        tokenizer: Its tokenizer.
+        n: Examples per task.
+        seed: Data seed (keep it away from training seeds; eval strings are unseen either way).
+        n_entities: Entities per QA document.
+        facts_per_entity: Facts per entity.
+        long_tokens: If set, also run the needle task at about this many tokens of context.
+
+    Returns:
+        ``{"qa_forward": ..., "qa_inverted": ..., "closed": ..., "repeat": ..., ["needle": ...]}`` with
+        ``direct``/``none`` sub-dicts.
+    """
+    was_training = model.training
+    model.eval()
+    kw = {"n_entities": n_entities, "facts_per_entity": facts_per_entity}
+    res = {
+        "qa_forward": qa_metrics(model, tokenizer, synth_dataset("qa", n, seed, template="forward", **kw)),
+        "qa_inverted": qa_metrics(model, tokenizer, synth_dataset("qa", n, seed + 1, template="inverted", **kw)),
+        "closed": closed_metrics(model, tokenizer, synth_dataset("closed", n, seed + 2, template="forward", **kw)),
+        "repeat": repeat_metrics(model, tokenizer, synth_dataset("repeat", n, seed + 3, **kw)),
+    }
+    if long_tokens:
+        res["needle"] = qa_metrics(
+            model,
+            tokenizer,
+            synth_dataset("needle", max(n // 2, 1), seed + 4, context_tokens=long_tokens, tokenizer=tokenizer),
+        )
+    model.train(was_training)
+    return res
+
+
+def summary_line(res: dict) -> str:
+    """One log line of the headline numbers."""
+    parts = []
+    for key in ("qa_forward", "qa_inverted", "needle"):
+        if key in res:
+            r = res[key]
+            parts.append(
+                f"{key} EM {r['direct']['exact_match']:.2f}/{r['none']['exact_match']:.2f} "
+                f"NLL {r['direct']['nll']:.2f}/{r['none']['nll']:.2f}"
+            )
+    if "closed" in res:
+        parts.append(f"closed {res['closed']['direct']['accuracy']:.2f}/{res['closed']['none']['accuracy']:.2f}")
+    if "repeat" in res:
+        parts.append(
+            f"repeat {res['repeat']['direct']['token_accuracy']:.2f}/{res['repeat']['none']['token_accuracy']:.2f}"
+        )
+    return " | ".join(parts) + "  (direct/none)"
+
+
+__all__ = ["quick_eval", "qa_metrics", "closed_metrics", "repeat_metrics", "continuation_stats", "summary_line"]
