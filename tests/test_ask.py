@@ -93,3 +93,20 @@ def test_ask_cli_json_and_errors(tiny_dir, tiny_store):
         proc = subprocess.run(base + args, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0, args
         assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("error:"), (args, proc.stderr)
+
+
+def test_eval_over_store_reports_recall(tiny_dir, tiny_store, tmp_path):
+    data = tmp_path / "q.jsonl"
+    rows = [{"id": "1", "context": "", "question": "Where was Ana Brell born?", "answer": "Corvale",
+             "cue": "Ana Brell was born in", "doc": "ana.txt"},
+            {"id": "2", "context": "", "question": "What is the access code of Tomas Reddick?", "answer": "48213",
+             "cue": "The access code of Tomas Reddick is", "doc": "tomas.md"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "mot_cag.cli", "eval", "--dataset", str(data), "--store",
+                           str(tiny_store), "--target", str(tiny_dir / "tiny-qwen2"), "--top-k", "2", "--json",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert set(rep["modes"]) == {"translated", "direct", "native-chunks", "none"}
+    assert rep["modes"]["direct"]["retrieval_recall"] == 1.0
+    assert rep["retention"] is not None and "kl_benefit" in rep["retention"]

@@ -54,6 +54,10 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     """
     from mot_cag.device import pick_device
 
+    if req.store and not req.source:
+        from mot_cag.pipeline.retrieval import open_store
+
+        req.source = open_store(req.store).source.name  # a store's caches come from its own source model
     modes = list(dict.fromkeys(req.modes or default_modes(req.source)))
     _check_modes(modes, req.source)
     device = pick_device(req.device)
