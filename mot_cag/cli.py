@@ -191,6 +191,218 @@ def _progress(enabled: bool):
     return ctx()
 
 
+# ---------------------------------------------------------------------------------------------- translators
+
+
+@app.command("translators")
+def translators_cmd(as_json: JsonOpt = False) -> None:
+    """List the translators available here (user directory first, then the bundled zoo)."""
+    from mot_cag.translate.checkpoint import list_translators, search_dirs
+
+    rows = list_translators()
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        out.print("No translators found in " + ", ".join(str(d) for d in search_dirs())
+                  + "; train one with `mot-cag train --source S --target T`.")
+        return
+    table = Table("source", "target", "kind", "mode", "experts", "params", "path")
+    for r in rows:
+        table.add_row(r["source"], r["target"], r["kind"], r["mode"], str(r["experts"]), f"{r['params']:,}",
+                      r["path"])
+    out.print(table)
+
+
+@app.command("train")
+def train_cmd(
+    source: Annotated[str, typer.Option(help="Model whose caches are translated.")],
+    target: Annotated[str, typer.Option(help="Model that reads the translated caches.")],
+    data: Annotated[str, typer.Option(help="synthetic, a JSONL dataset, or a text file.")] = "synthetic",
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 300,
+    experts: Annotated[int, typer.Option(help="Experts K per mixture.")] = 4,
+    top_k: Annotated[int, typer.Option("--top-k", help="Experts mixed per token.")] = 2,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Output folder (default: user translator dir).")] = None,
+    kind: Annotated[str, typer.Option(help="mot, single (K=1) or ridge (closed form, no training).")] = "mot",
+    mode: Annotated[str, typer.Option(help="Injection: direct (every layer) or replay (window).")] = "direct",
+    expert: Annotated[str, typer.Option(help="Expert kind: attn (paper) or mlp (light).")] = "attn",
+    hidden: Annotated[int, typer.Option(help="Expert hidden width.")] = 128,
+    window_start: Annotated[int | None, typer.Option(help="First injected target layer (replay).")] = None,
+    window_width: Annotated[int | None, typer.Option(help="Injected layers (replay).")] = None,
+    batch: Annotated[int, typer.Option(help="Examples per step.")] = 4,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
+    ce: Annotated[float, typer.Option(help="Weight of the prompt-LM cross-entropy.")] = 1.0,
+    ccl: Annotated[float, typer.Option(help="Weight of the Context Correction Loss.")] = 1.0,
+    kl: Annotated[float, typer.Option(help="Weight of KL to the native target (0: paper's loss).")] = 1.0,
+    init: Annotated[str, typer.Option(help="ridge (closed-form start) or identity.")] = "ridge",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    eval_examples: Annotated[int, typer.Option("--eval", help="Held-out pairs scored after training.")] = 16,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it."""
+    from mot_cag.translate.train import TrainConfig, TrainRequest, run_training
+
+    try:
+        cfg = TrainConfig(steps=steps, batch=batch, lr=lr, ce=ce, ccl=ccl, kl=kl, init=init, seed=seed, data=data)
+    except ValueError as e:
+        raise MotCagError(str(e)) from None
+    req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,
+                       experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
+                       window_width=window_width, eval_examples=eval_examples, device=device, train=cfg)
+
+    def log(r: dict) -> None:
+        if not as_json:
+            err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "
+                      f"kl {r['kl']:.5f}) lr {r['lr']:.2e} {r['seconds']}s", highlight=False)
+
+    result = run_training(req, log=log)
+    if as_json:
+        _print_json(result)
+        return
+    out.print(f"saved {result['kind']} translator {source} -> {target} ({result['params']:,} params) to "
+              f"{result['path']} in {result['seconds']}s")
+    for m, ev in result.get("eval", {}).items():
+        def fmt(v):
+            return "n/a" if v is None else f"{v:.4f}"
+
+        out.print(f"held-out {m}: kl_benefit {fmt(ev['kl_benefit'])}, nll_benefit {fmt(ev['nll_benefit'])}, "
+                  f"top-1 agreement {fmt(ev['top1_agreement'])} (n={ev['n']})")
+
+
+# ------------------------------------------------------------------------------------------- ingest / store
+
+StoreOpt = Annotated[str, typer.Option("--store", help="Store folder.")]
+
+
+@app.command("ingest")
+def ingest_cmd(
+    paths: Annotated[list[str], typer.Argument(help="Files or folders (.txt, .md; folders are read recursively).")],
+    store: StoreOpt = "stores/default",
+    source: Annotated[str | None, typer.Option(help="Source model (default: the store's, else qwen2-mini).")] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(help="Chunk size in source tokens (default 256).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="KV dtype of a new store: float16, bfloat16, float32.")] = None,
+    embedder: Annotated[str | None, typer.Option(
+        help="Embedder of a new store: all-MiniLM-L6-v2 (default), hash, or a sentence-transformers folder.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    wait: Annotated[float | None, typer.Option(
+        help="Seconds to wait for another ingest writing the store (default: as long as it takes).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Prefill documents once with the source model and keep their KV caches, embedded and indexed.
+    Idempotent and resumable: unchanged files add nothing; an interrupted run continues where it stopped."""
+    from mot_cag.device import pick_device
+    from mot_cag.ingest import ingest
+    from mot_cag.store.progress import RichIngestProgress
+
+    with RichIngestProgress(err) as bar:
+        res = ingest(paths, store, source, chunk_tokens=chunk_tokens, dtype=dtype, embedder=embedder,
+                     device=pick_device(device), lock_timeout=wait, progress=bar)
+    if as_json:
+        _print_json(res.to_json())
+        return
+    out.print(f"{res.documents} documents in {res.store} ({res.documents_unchanged} unchanged): "
+              f"{res.chunks_added} chunks added, {res.chunks_skipped} already stored, {res.chunks_removed} removed; "
+              f"{res.tokens:,} tokens in {res.seconds:.1f} s; source {res.source}.", highlight=False)
+
+
+store_app = typer.Typer(help="Inspect and check a KV store.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("info")
+def store_info(store: StoreOpt = "stores/default", as_json: JsonOpt = False) -> None:
+    """Documents, chunks, tokens, bytes and source model of a store."""
+    from mot_cag.store.store import Store
+
+    with Store.open(store) as st:
+        info = st.info()
+    if as_json:
+        _print_json(info)
+        return
+    for k in ("store", "source", "fingerprint", "documents", "chunks", "tokens", "bytes", "bytes_per_token",
+              "dtype", "embedder"):
+        out.print(f"{k:>16}: {info[k]}", highlight=False)
+
+
+@store_app.command("verify")
+def store_verify(
+    store: StoreOpt = "stores/default",
+    repair: Annotated[bool, typer.Option(
+        "--repair", help="Drop damaged chunks (re-ingest recreates them), rebuild the manifest from chunk files "
+        "when it is damaged, adopt orphan files, rebuild the index.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every chunk file against its checksums and the index against the manifest; exit 1 naming each
+    damaged chunk."""
+    from mot_cag.store.store import verify_store
+
+    report = verify_store(store, repair=repair)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        for n in report.notes:
+            out.print(f"note: {n.kind} {n.subject}: {n.detail}" + (" (fixed)" if n.fixed else ""), highlight=False)
+        for p in report.problems:
+            what = f"{p.kind} chunk" if p.kind in ("damaged", "missing") else p.kind
+            (out if p.fixed else err).print(f"{what} {p.subject}: {p.detail}", highlight=False, soft_wrap=True)
+        out.print(f"{report.chunks_checked} chunks checked in {report.store}: "
+                  + ("OK" if report.ok else f"{sum(not p.fixed for p in report.problems)} problems"), highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------- ask
+
+PipelineOpt = Annotated[str | None, typer.Option("--pipeline", help="Pipeline TOML (default pipelines/default.toml).")]
+
+
+@app.command("ask")
+def ask_cmd(
+    question: Annotated[str, typer.Argument(help="The question.")],
+    target: Annotated[str | None, typer.Option(help="Model that answers (zoo name, alias, HF id, folder).")] = None,
+    store: Annotated[str | None, typer.Option(help="Store folder (default from the pipeline).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
+    mode: Annotated[str | None, typer.Option(help="translated, direct, native-chunks or none.")] = None,
+    translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Generation budget.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto.")] = None,
+    pipeline: PipelineOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer a question from the store: retrieve chunks, translate their caches into the target's cache
+    space, and let the target answer without prefilling the text. Prints the answer and the cited chunks."""
+    from mot_cag.config import PipelineConfig
+    from mot_cag.device import pick_device
+    from mot_cag.pipeline.ask import Asker
+
+    cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode,
+                                                      max_new_tokens=max_new_tokens, device=device)
+    target = target or cfg.targets[0]
+    asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
+                  max_new_tokens=cfg.max_new_tokens)
+    stream = (not as_json) and out.is_terminal
+    if stream:
+        out.print(f"[bold]{asker.target.name}[/bold] ({cfg.mode}): ", end="")
+    res = asker.ask(question, top_k=cfg.top_k,
+                    on_text=(lambda t: out.print(t, end="", highlight=False, markup=False)) if stream else None)
+    if as_json:
+        _print_json(res.to_dict())
+        return
+    if stream:
+        out.print()
+    else:
+        out.print(f"{res.target} ({res.mode}): {res.answer}", highlight=False, markup=False)
+    for c in res.chunks:
+        snippet = c["text"].replace("\n", " ")
+        snippet = snippet if len(snippet) <= 100 else snippet[:97] + "..."
+        out.print(f"  [{c['score']:.3f}] {c['doc']}#{c['chunk']}: {snippet}", highlight=False, markup=False)
+    t = res.timings
+    out.print(f"  context {res.context_tokens} tokens; retrieve {t['retrieve_s']:.3f}s, load {t['load_s']:.3f}s, "
+              f"translate {t['translate_s']:.3f}s, prefill {t['prefill_s']:.3f}s, ttft {t['ttft_s']:.3f}s, "
+              f"total {t['total_s']:.3f}s", highlight=False)
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 

@@ -275,3 +275,62 @@ def greedy_tokens(
                      cache=dyn, use_cache=True)
         pos += 1
         next_id = int(step.logits[0, -1].argmax())
+
+
+# ------------------------------------------------------------------------------- replay with substitution
+# Used by the translators' replay injection (mot_cag.translate.inject): the target re-runs over the context
+# while chosen layers read translated K/V instead of the K/V the target computes itself.
+
+
+class _SubstitutingCache(DynamicCache):
+    """A ``DynamicCache`` that, on the first update of chosen layers, stores given K/V instead of the new ones.
+
+    Attention layers call ``cache.update(new_k, new_v, layer)`` and attend over what it returns, so swapping
+    the tensors here makes that layer (and every layer above it) run on the substituted K/V. Substitutes
+    keep their autograd history, which lets translators train through the replay.
+    """
+
+    def __init__(self, config, substitute: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__(config=config)
+        self._substitute = dict(substitute)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        sub = self._substitute.pop(layer_idx, None)
+        if sub is not None:
+            k, v = sub
+            if k.shape != key_states.shape or v.shape != value_states.shape:
+                raise ValueError(
+                    f"substitute K/V for layer {layer_idx} have shape {tuple(k.shape)} but the model computed "
+                    f"{tuple(key_states.shape)}"
+                )
+            key_states, value_states = k.to(key_states.dtype), v.to(value_states.dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def replay_forward(
+    model,
+    input_ids: torch.Tensor,
+    substitute: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    *,
+    start: int = 0,
+) -> tuple[torch.Tensor, KVChunk]:
+    """Run ``input_ids`` (no prior context) with some layers' K/V replaced, and return the resulting cache.
+
+    Args:
+        model: A Hugging Face causal LM.
+        input_ids: ``[seq]`` token ids.
+        substitute: ``{layer: (keys, values)}``, each ``[kv_heads, seq, head_dim]`` exactly as the layer would
+            cache them (RoPE keys rotated at ``start..``).
+        start: Global position of ``input_ids[0]``.
+
+    Returns:
+        ``(logits [seq, vocab], chunk)``: the chunk holds the substituted K/V in the chosen layers and the
+        target's own recomputed K/V elsewhere.
+    """
+    ids = input_ids.view(1, -1).to(model.device)
+    # (H, T, D) -> (1, H, T, D)
+    cache = _SubstitutingCache(model.config, {i: (k.unsqueeze(0), v.unsqueeze(0)) for i, (k, v) in substitute.items()})
+    mask = torch.ones(1, ids.shape[1], dtype=torch.long, device=ids.device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(start, ids.shape[1], ids.device),
+                cache=cache, use_cache=True)
+    return out.logits[0], from_dynamic_cache(cache, start=start)

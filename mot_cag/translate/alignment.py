@@ -1,0 +1,126 @@
+"""Cross-tokenizer alignment: which source tokens carry the text of each target token.
+
+Source and target tokenize the same text differently (GPT-2 and OPT put the leading space inside the next
+token, OPT prepends ``</s>``, BPE merges differ). The translator works on the *target's* token grid, so source
+KV rows are averaged onto target tokens with a row-normalised character-overlap matrix::
+
+    W[t, s] = |chars(t) ∩ chars(s)| / sum_s' |chars(t) ∩ chars(s')|        # (T_tgt, T_src)
+    kv_on_target_grid = W @ kv_source                                        # (T_tgt, width)
+
+Overlap is counted on non-whitespace characters first, so ``" Brell"`` and ``"Brell"`` align exactly even
+though one tokenizer keeps the space and the other does not; a token made only of whitespace falls back to
+all characters. Special tokens with an empty span (OPT's ``</s>``) overlap nothing: a *leading* one keeps an
+all-zero row, which :func:`mot_cag.translate.inject.translate` fills with the target's own KV (a leading
+token attends only to itself, so its KV does not depend on the context); any other token without overlap
+takes the nearest preceding source token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import torch
+
+
+class Alignment(NamedTuple):
+    """Token ids of one text under both tokenizers and the matrix that maps source rows onto target rows.
+
+    Attributes:
+        src_ids: ``[T_src]`` source token ids (what the source prefills).
+        tgt_ids: ``[T_tgt]`` target token ids (the grid of the translated cache).
+        W: ``[T_tgt, T_src]`` row-normalised overlap; all-zero rows mark leading target-only tokens.
+    """
+
+    src_ids: torch.Tensor
+    tgt_ids: torch.Tensor
+    W: torch.Tensor
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Identity of a fast tokenizer's behaviour (vocab, merges, normaliser, specials), 16 hex chars."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers split every text identically (so the alignment is the identity)."""
+    return a is b or tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
+    return torch.tensor(enc["input_ids"], dtype=torch.long), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def _char_masks(offsets: list[tuple[int, int]], text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token character membership: ``(all_chars, non_whitespace_chars)``, each ``[T, n_chars]`` float."""
+    n = len(text)
+    idx = torch.arange(n)
+    begin = torch.tensor([o[0] for o in offsets], dtype=torch.long).view(-1, 1)  # (T, 1)
+    end = torch.tensor([o[1] for o in offsets], dtype=torch.long).view(-1, 1)
+    member = (idx >= begin) & (idx < end)  # (T, n_chars)
+    visible = torch.tensor([not c.isspace() for c in text], dtype=torch.bool)
+    return member.float(), (member & visible).float()
+
+
+def overlap_matrix(
+    src_offsets: list[tuple[int, int]], tgt_offsets: list[tuple[int, int]], text: str
+) -> torch.Tensor:
+    """Row-normalised character overlap ``[T_tgt, T_src]`` from two offset mappings of ``text``.
+
+    Rows with no overlap: zero when the target token is a leading empty-span token (before any text), else a
+    one-hot on the nearest source token that starts at or before it.
+    """
+    if not src_offsets or not tgt_offsets:
+        return torch.zeros(len(tgt_offsets), len(src_offsets))
+    s_all, s_vis = _char_masks(src_offsets, text)
+    t_all, t_vis = _char_masks(tgt_offsets, text)
+    counts = t_vis @ s_vis.T  # (T_tgt, T_src) shared visible characters
+    whitespace_only = counts.sum(1) == 0
+    if whitespace_only.any():
+        counts[whitespace_only] = t_all[whitespace_only] @ s_all.T
+    src_begin = torch.tensor([o[0] for o in src_offsets])
+    src_has_text = torch.tensor([o[1] > o[0] for o in src_offsets])
+    first_text = next((i for i, (b, e) in enumerate(tgt_offsets) if e > b), len(tgt_offsets))
+    for t in torch.nonzero(counts.sum(1) == 0).flatten().tolist():
+        b, e = tgt_offsets[t]
+        if t < first_text:
+            continue  # leading empty-span token (OPT's </s>): stays zero, computed natively by the target
+        # No shared character: borrow the last source token with text that starts at or before this one.
+        before = torch.nonzero(src_has_text & (src_begin <= b)).flatten()
+        cand = before if before.numel() else torch.nonzero(src_has_text).flatten()
+        if cand.numel():
+            counts[t, int(cand[-1] if before.numel() else cand[0])] = 1.0
+    total = counts.sum(1, keepdim=True)
+    return torch.where(total > 0, counts / total.clamp_min(1e-12), counts)
+
+
+def token_alignment(src_tokenizer, tgt_tokenizer, text: str, add_special_tokens: bool = True) -> Alignment:
+    """Tokenize ``text`` for both models and build the target-by-source averaging matrix.
+
+    Args:
+        src_tokenizer: Source fast tokenizer.
+        tgt_tokenizer: Target fast tokenizer.
+        text: The context text (one chunk).
+        add_special_tokens: Let each tokenizer add its specials (OPT's leading ``</s>``); pass ``False`` for
+            chunks that continue a context.
+
+    Returns:
+        :class:`Alignment` ``(src_ids, tgt_ids, W)``; ``W`` is the identity for identical tokenizers.
+    """
+    src_ids, src_off = _encode(src_tokenizer, text, add_special_tokens)
+    if same_tokenizer(src_tokenizer, tgt_tokenizer):
+        return Alignment(src_ids, src_ids.clone(), torch.eye(len(src_ids)))
+    tgt_ids, tgt_off = _encode(tgt_tokenizer, text, add_special_tokens)
+    return Alignment(src_ids, tgt_ids, overlap_matrix(src_off, tgt_off, text))
+
+
+def leading_unaligned(W: torch.Tensor) -> int:
+    """Number of leading target rows with no source counterpart (the target computes them itself)."""
+    empty = (W.abs().sum(1) == 0).tolist()
+    n = 0
+    while n < len(empty) and empty[n]:
+        n += 1
+    return n

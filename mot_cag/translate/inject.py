@@ -1,0 +1,147 @@
+"""Translate a source :class:`KVChunk` into a target's cache: alignment, positions, layers, injection.
+
+Position handling:
+
+* RoPE sources: keys are un-rotated (rotated by ``-position``) before translation, so the translator sees
+  position-free keys. RoPE targets: the translator emits un-rotated keys that are rotated to their global
+  positions ``target_start + i`` here, so one translation can be placed anywhere exactly.
+* Absolute-position targets (GPT-2, OPT): positions live in every layer's K/V, so the translator is told the
+  target positions (sinusoidal features) and replay runs the target at the global positions.
+
+Injection:
+
+* ``direct``: the translator's output for every target layer is the cache; the target never runs over the
+  context (it only computes leading target-only tokens such as OPT's ``</s>``, whose KV is context-free).
+* ``replay`` (the paper's): the target re-runs over the context tokens with translated K/V substituted in the
+  window layers and returns its own recomputed cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mot_cag.errors import TranslatorError
+from mot_cag.models.cache import KVChunk, forward, replay_forward, rotate_keys
+from mot_cag.translate.alignment import leading_unaligned
+from mot_cag.translate.mot import Translator
+
+
+def _unrotate(keys: torch.Tensor, start: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``(L, H, T, D)`` keys rotated at ``start + i`` -> as if at position 0."""
+    pos = torch.arange(start, start + keys.shape[2], device=keys.device)
+    return rotate_keys(keys, -pos, inv_freq)
+
+
+def _rotate(keys: torch.Tensor, start: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(start, start + keys.shape[2], device=keys.device)
+    return rotate_keys(keys, pos, inv_freq)
+
+
+def source_window(translator: Translator, chunk: KVChunk, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source K/V of the mapped layers, position-free and averaged onto target tokens.
+
+    Returns:
+        ``(keys, values)``, each ``(n, T_tgt, W_src)``.
+    """
+    cfg = translator.config
+    src = cfg.src
+    if (chunk.keys.shape[0], chunk.keys.shape[1], chunk.keys.shape[3]) != (src.layers, src.kv_heads, src.head_dim):
+        raise TranslatorError(
+            f"This chunk's layout {tuple(chunk.keys.shape)} is not the translator's source '{cfg.source}' "
+            f"({src.layers} layers, {src.kv_heads} kv heads, head dim {src.head_dim}); use a translator trained "
+            f"for the model that made the chunk (`mot-cag train --source MODEL --target {cfg.target}`)."
+        )
+    if W.shape[1] != chunk.length:
+        raise ValueError(f"alignment has {W.shape[1]} source columns but the chunk has {chunk.length} tokens")
+    chunk = chunk.to(device=translator.device, dtype=translator.dtype)
+    layers = torch.tensor(cfg.layers.source_layers, device=chunk.keys.device)
+    keys, values = chunk.keys[layers], chunk.values[layers]  # (n, H, T_src, D)
+    if src.positions == "rope":
+        keys = _unrotate(keys, chunk.start, translator.src_inv_freq)
+    n, h, t, d = keys.shape
+    W = W.to(device=keys.device, dtype=keys.dtype)
+    flat_k = keys.permute(0, 2, 1, 3).reshape(n, t, h * d)  # (n, T_src, H*D)
+    flat_v = values.permute(0, 2, 1, 3).reshape(n, t, h * d)
+    return torch.einsum("us,nsw->nuw", W, flat_k), torch.einsum("us,nsw->nuw", W, flat_v)  # (n, T_tgt, W_src)
+
+
+def translated_window(
+    translator: Translator, chunk: KVChunk, W: torch.Tensor, target_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Translated K/V of the translator's target layers, keys rotated to ``target_start + i`` (RoPE targets).
+
+    Returns:
+        ``(keys, values)``, each ``(n, H_tgt, T_tgt, D_tgt)``.
+    """
+    tgt = translator.config.tgt
+    xk, xv = source_window(translator, chunk, W)
+    positions = torch.arange(target_start, target_start + W.shape[0], device=xk.device)
+    yk, yv = translator(xk, xv, positions)  # (n, T, H_tgt*D_tgt)
+    n, t, _ = yk.shape
+    keys = yk.view(n, t, tgt.kv_heads, tgt.head_dim).permute(0, 2, 1, 3)  # (n, H, T, D)
+    values = yv.view(n, t, tgt.kv_heads, tgt.head_dim).permute(0, 2, 1, 3)
+    if tgt.positions == "rope":
+        keys = _rotate(keys, target_start, translator.tgt_inv_freq)
+    return keys, values
+
+
+def translate(
+    translator: Translator,
+    source_chunk: KVChunk,
+    W: torch.Tensor,
+    target_lm,
+    tgt_ids: torch.Tensor,
+    target_start: int = 0,
+    mode: str | None = None,
+) -> KVChunk:
+    """Translate a source chunk into the target's cache for ``tgt_ids`` at positions ``target_start..``.
+
+    Differentiable in the translator's parameters when called without ``torch.no_grad`` (training uses it).
+
+    Args:
+        translator: A translator for (source, target).
+        source_chunk: Source KV ``[L_src, H_src, T_src, D_src]`` (any ``start``).
+        W: ``[T_tgt, T_src]`` alignment from :func:`~mot_cag.translate.alignment.token_alignment`.
+        target_lm: The target :class:`~mot_cag.models.registry.LoadedModel` (or a bare HF model): runs the
+            leading target-only tokens, and the whole context in replay mode.
+        tgt_ids: ``[T_tgt]`` target token ids of the same text.
+        target_start: Global position of the first target token.
+        mode: ``direct`` or ``replay``; defaults to the translator's own mode.
+
+    Returns:
+        A :class:`KVChunk` in the target's layout, ``start=target_start``, covering ``tgt_ids``.
+
+    Raises:
+        TranslatorError: A replay-only translator asked for direct injection, or a chunk of another model.
+    """
+    cfg = translator.config
+    mode = mode or cfg.mode
+    if mode not in ("direct", "replay"):
+        raise TranslatorError(f"Unknown injection mode '{mode}'; use direct or replay.")
+    if mode == "direct" and cfg.mode == "replay":
+        raise TranslatorError(
+            f"Translator {cfg.source} -> {cfg.target} was trained for replay (window layers only) and cannot "
+            "inject directly; use --mode replay or train one with `mot-cag train --mode direct`."
+        )
+    model = getattr(target_lm, "model", target_lm)
+    tgt_ids = tgt_ids.view(-1)
+    if W.shape[0] != tgt_ids.shape[0]:
+        raise ValueError(f"alignment has {W.shape[0]} target rows but {tgt_ids.shape[0]} target ids were given")
+    keys, values = translated_window(translator, source_chunk, W, target_start)  # (n, H, T, D)
+    native = leading_unaligned(W)
+    if native:
+        # Leading target-only tokens (OPT's </s>) attend only to themselves: the target's own KV is exact.
+        with torch.no_grad():
+            _, head = forward(model, tgt_ids[:native], None, start=target_start)
+        idx = torch.tensor(cfg.layers.target_layers, device=head.keys.device)
+        head_k = head.keys[idx].to(device=keys.device, dtype=keys.dtype)
+        head_v = head.values[idx].to(device=keys.device, dtype=keys.dtype)
+        keys = torch.cat([head_k, keys[:, :, native:]], dim=2)  # (n, H, T, D)
+        values = torch.cat([head_v, values[:, :, native:]], dim=2)
+    if mode == "direct":
+        return KVChunk(keys, values, target_start)
+    lm = cfg.layers
+    window = range(lm.window_start, lm.window_start + lm.window_width)
+    substitute = {t: (keys[i], values[i]) for i, t in enumerate(lm.target_layers) if t in window}
+    _, chunk = replay_forward(model, tgt_ids, substitute, start=target_start)
+    return chunk

@@ -1,0 +1,405 @@
+"""The Mixture-of-Translators module and its configuration.
+
+Shapes used throughout (``n`` translated layers, ``T`` target tokens, widths are ``kv_heads * head_dim``)::
+
+    source window  (n, T, W_src)   source K (or V) of the mapped source layers, averaged onto target tokens,
+                                   RoPE keys un-rotated (position-free)
+    positions      (T, P)          sinusoidal features of the target positions (absolute-position targets)
+    expert output  (n, T, W_tgt)   target K (or V) of the translated layers, RoPE keys un-rotated
+    router weights (T, K)          per-token mixture over the K experts (top-k, softmax)
+
+Keys and values have separate mixtures. Every expert is ``linear(x) + pos(p) + bias + f(x, p)`` in a per-layer
+normalised space (calibrated means and scales are buffers saved with the weights); ``f`` ends in a
+zero-initialised projection and the linear part starts as the (rectangular) identity, so an untrained
+translator between two copies of one model reproduces the source cache exactly. Expert kinds:
+
+* ``attn`` (the paper's): ``f`` attends across the window's layers (per token) and causally across tokens
+  (per layer), then an MLP;
+* ``mlp``: ``f`` is a per-layer two-layer MLP (cheap, no token mixing);
+* ``linear``: no ``f`` (the closed-form ridge baseline fills the linear part).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mot_cag.models.layout import KVLayout
+from mot_cag.translate.layers import LayerMap, Mode
+
+ExpertKind = Literal["attn", "mlp", "linear"]
+EXPERT_KINDS = ("attn", "mlp", "linear")
+MODES = ("direct", "replay")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TranslatorConfig:
+    """Everything needed to rebuild a translator and to refuse the wrong pair.
+
+    Attributes:
+        source: Source model name.
+        target: Target model name.
+        source_layout: Source :class:`KVLayout` as a dict.
+        target_layout: Target :class:`KVLayout` as a dict.
+        layer_map: :class:`LayerMap` as a dict.
+        mode: Injection the translator was built for (``direct`` covers every target layer and can also
+            replay; ``replay`` covers only the window).
+        expert: Expert kind (``attn``, ``mlp``, ``linear``).
+        experts: Number of experts K per mixture.
+        top_k: Experts mixed per token.
+        hidden: Expert hidden width.
+        heads: Attention heads of ``attn`` experts.
+        pos_features: Sinusoidal target-position features (0 for RoPE targets, which get rotated keys).
+        source_fingerprint: Weights+tokenizer fingerprint of the source (``registry.fingerprint``).
+        target_fingerprint: Same for the target.
+        source_tokenizer: Tokenizer fingerprint of the source (``alignment.tokenizer_fingerprint``).
+        target_tokenizer: Same for the target.
+        kind: ``mot`` (K > 1), ``single`` (K = 1, trained) or ``ridge`` (closed form).
+        training: Summary of how it was made (steps, losses, data, seconds...).
+        version: File format version.
+    """
+
+    source: str
+    target: str
+    source_layout: dict
+    target_layout: dict
+    layer_map: dict
+    mode: Mode = "direct"
+    expert: ExpertKind = "attn"
+    experts: int = 4
+    top_k: int = 2
+    hidden: int = 128
+    heads: int = 4
+    pos_features: int = 0
+    source_fingerprint: str = ""
+    target_fingerprint: str = ""
+    source_tokenizer: str = ""
+    target_tokenizer: str = ""
+    kind: str = "mot"
+    training: dict = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got '{self.mode}'.")
+        if self.expert not in EXPERT_KINDS:
+            raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"Need experts >= 1 and 1 <= top_k <= experts; got experts={self.experts}, "
+                             f"top_k={self.top_k}.")
+        if self.expert == "attn" and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
+
+    @property
+    def src(self) -> KVLayout:
+        """Source layout."""
+        return KVLayout.from_dict(self.source_layout)
+
+    @property
+    def tgt(self) -> KVLayout:
+        """Target layout."""
+        return KVLayout.from_dict(self.target_layout)
+
+    @property
+    def layers(self) -> LayerMap:
+        """The layer map."""
+        return LayerMap.from_dict(self.layer_map)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TranslatorConfig:
+        """Inverse of :meth:`to_dict`; keys from newer files are ignored, missing optional keys defaulted."""
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def position_features(positions: torch.Tensor, dims: int, max_positions: int) -> torch.Tensor:
+    """Sinusoidal features ``[T, dims]`` of integer positions (periods from 2 to ~2 * max_positions)."""
+    half = dims // 2
+    freqs = torch.exp(-math.log(2.0 * max_positions) * torch.arange(half, dtype=torch.float32) / max(half, 1))
+    angles = positions.float()[:, None] * freqs[None, :] * math.pi  # (T, dims/2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- experts
+
+
+class _PerLayerLinear(nn.Module):
+    """``n`` independent linear maps applied to ``(n, T, in)`` -> ``(n, T, out)``."""
+
+    def __init__(self, n: int, d_in: int, d_out: int, init: Literal["eye", "zero", "normal"] = "normal"):
+        super().__init__()
+        if init == "eye":
+            w = torch.eye(d_in, d_out).expand(n, d_in, d_out).clone()
+        elif init == "zero":
+            w = torch.zeros(n, d_in, d_out)
+        else:
+            w = torch.randn(n, d_in, d_out) / math.sqrt(d_in)
+        self.weight = nn.Parameter(w)  # (n, in, out)
+        self.bias = nn.Parameter(torch.zeros(n, 1, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ntw,nwo->nto", x, self.weight) + self.bias  # (n, T, out)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP over the second-to-last axis of ``(batch, seq, d)``."""
+
+    def __init__(self, d: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # q, k, v: (B, heads, S, d/heads)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))  # (B, S, d)
+        return x + self.mlp(self.norm2(x))
+
+
+class Expert(nn.Module):
+    """One translator: ``(n, T, W_in)`` (+ positions ``(T, P)``) -> ``(n, T, W_out)``."""
+
+    def __init__(self, kind: ExpertKind, n: int, d_in: int, d_out: int, hidden: int, heads: int, pos: int):
+        super().__init__()
+        self.kind = kind
+        self.linear = _PerLayerLinear(n, d_in, d_out, init="eye")
+        self.pos = _PerLayerLinear(n, pos, d_out, init="zero") if pos else None
+        if kind == "linear":
+            return
+        self.inp = _PerLayerLinear(n, d_in, hidden)
+        self.pos_in = nn.Linear(pos, hidden) if pos else None
+        self.out = _PerLayerLinear(n, hidden, d_out, init="zero")
+        if kind == "attn":
+            self.layer_emb = nn.Parameter(torch.randn(n, 1, hidden) * 0.02)
+            self.across_layers = _Block(hidden, heads, causal=False)
+            self.across_tokens = _Block(hidden, heads, causal=True)
+            self.norm = nn.LayerNorm(hidden)
+        else:
+            self.mid = nn.Sequential(nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU())
+
+    def forward(self, x: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        y = self.linear(x)  # (n, T, out)
+        if self.pos is not None and p is not None:
+            y = y + self.pos(p.expand(x.shape[0], -1, -1))
+        if self.kind == "linear":
+            return y
+        h = self.inp(x)  # (n, T, hidden)
+        if self.pos_in is not None and p is not None:
+            h = h + self.pos_in(p)
+        if self.kind == "attn":
+            h = h + self.layer_emb
+            h = self.across_layers(h.transpose(0, 1)).transpose(0, 1)  # attend over layers: (T, n, hidden)
+            h = self.across_tokens(h)  # causal over tokens, per layer: (n, T, hidden)
+            h = self.norm(h)
+        else:
+            h = self.mid(h)
+        return y + self.out(h)
+
+
+class MixtureOfTranslators(nn.Module):
+    """K experts and a per-token top-k router for one of keys or values.
+
+    Buffers ``in_mean/in_std`` ``(n, 1, W_in)`` and ``out_mean/out_std`` ``(n, 1, W_out)`` normalise each layer
+    (calibrated before training); they start at 0/1 so an untrained mixture is the identity on equal widths.
+    """
+
+    def __init__(self, cfg: TranslatorConfig, n: int, d_in: int, d_out: int):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.experts = nn.ModuleList(
+            Expert(cfg.expert, n, d_in, d_out, cfg.hidden, cfg.heads, cfg.pos_features) for _ in range(cfg.experts)
+        )
+        self.router = None
+        if cfg.experts > 1:
+            hidden = max(32, min(cfg.hidden, n * d_in))
+            self.router = nn.Sequential(nn.LayerNorm(n * d_in), nn.Linear(n * d_in, hidden), nn.GELU(),
+                                        nn.Linear(hidden, cfg.experts))
+        for name, width in (("in_mean", d_in), ("out_mean", d_out)):
+            self.register_buffer(name, torch.zeros(n, 1, width))
+        for name, width in (("in_std", d_in), ("out_std", d_out)):
+            self.register_buffer(name, torch.ones(n, 1, width))
+        self.last_weights: torch.Tensor | None = None
+
+    def route(self, xn: torch.Tensor) -> torch.Tensor:
+        """Mixture weights ``(T, K)``: softmax over the top-k router logits of each token."""
+        n, t, w = xn.shape
+        logits = self.router(xn.transpose(0, 1).reshape(t, n * w))  # (T, K)
+        if self.top_k < logits.shape[-1]:
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(self.top_k, -1).indices, True)
+            logits = logits.masked_fill(~keep, float("-inf"))
+        return logits.softmax(-1)
+
+    def forward(self, x: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+        """Translate ``(n, T, W_in)`` to ``(n, T, W_out)``."""
+        xn = (x - self.in_mean) / self.in_std
+        outs = [e(xn, p) for e in self.experts]
+        if self.router is None:
+            y = outs[0]
+            self.last_weights = None
+        else:
+            weights = self.route(xn)  # (T, K)
+            self.last_weights = weights
+            y = torch.einsum("knto,tk->nto", torch.stack(outs), weights)  # (n, T, out)
+        return y * self.out_std + self.out_mean
+
+    def balance(self) -> dict[str, float]:
+        """Load-balance statistics of the last forward: squared CV of importance and load, normalised entropy."""
+        if self.last_weights is None:
+            return {}
+        w = self.last_weights.detach()
+        importance, load = w.sum(0), (w > 0).float().sum(0)  # (K,)
+
+        def cv2(v: torch.Tensor) -> float:
+            return float(v.var(unbiased=False) / (v.mean() ** 2 + 1e-9))
+
+        share = importance / importance.sum().clamp_min(1e-9)
+        entropy = float(-(share * share.clamp_min(1e-9).log()).sum() / math.log(len(share)))
+        return {"importance_cv2": cv2(importance), "load_cv2": cv2(load), "entropy": entropy}
+
+    def balance_loss(self) -> torch.Tensor:
+        """Differentiable importance CV² of the last forward (0 for a single expert)."""
+        if self.last_weights is None:
+            return torch.zeros(())
+        imp = self.last_weights.sum(0)
+        return imp.var(unbiased=False) / (imp.mean() ** 2 + 1e-9)
+
+
+def _default_inv_freq(layout: KVLayout) -> torch.Tensor:
+    """RoPE inverse frequencies from a layout (default RoPE); empty for absolute positions."""
+    if layout.positions != "rope":
+        return torch.zeros(0)
+    from mot_cag.models.cache import Positioner
+
+    return Positioner(layout).inv_freq.float().clone()
+
+
+class Translator(nn.Module):
+    """A (source, target) cache translator: one mixture for keys and one for values.
+
+    Use :func:`mot_cag.translate.inject.translate` to translate a :class:`~mot_cag.models.cache.KVChunk`;
+    :meth:`forward` works on already-aligned, flattened, position-free windows.
+    """
+
+    def __init__(self, config: TranslatorConfig):
+        super().__init__()
+        self.config = config
+        src, tgt, lm = config.src, config.tgt, config.layers
+        self.keys = MixtureOfTranslators(config, lm.size, src.kv_width, tgt.kv_width)
+        self.values = MixtureOfTranslators(config, lm.size, src.kv_width, tgt.kv_width)
+        # RoPE frequencies travel with the weights: at translation time the source model is not loaded.
+        self.register_buffer("src_inv_freq", _default_inv_freq(src))
+        self.register_buffer("tgt_inv_freq", _default_inv_freq(tgt))
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights."""
+        return next(self.parameters()).dtype
+
+    def forward(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate aligned source windows.
+
+        Args:
+            keys: ``(n, T, W_src)`` un-rotated source keys on the target token grid.
+            values: ``(n, T, W_src)``.
+            positions: ``[T]`` target positions (used when the target has absolute positions).
+
+        Returns:
+            ``(keys, values)``, each ``(n, T, W_tgt)``; keys un-rotated for RoPE targets.
+        """
+        p = None
+        if self.config.pos_features and positions is not None:
+            p = position_features(positions, self.config.pos_features, self.config.tgt.max_positions)
+            p = p.to(device=keys.device, dtype=keys.dtype).unsqueeze(0)  # (1, T, P)
+        return self.keys(keys, p), self.values(values, p)
+
+    def balance(self) -> dict[str, float]:
+        """Router statistics of the last forward, keys and values averaged."""
+        k, v = self.keys.balance(), self.values.balance()
+        return {name: (k[name] + v[name]) / 2 for name in k}
+
+    def balance_loss(self) -> torch.Tensor:
+        """Auxiliary load-balance loss of the last forward."""
+        return self.keys.balance_loss().to(self.device) + self.values.balance_loss().to(self.device)
+
+    def parameter_count(self) -> int:
+        """Trainable parameters."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_translator(
+    source,
+    target,
+    *,
+    mode: Mode = "direct",
+    expert: ExpertKind = "attn",
+    experts: int = 4,
+    top_k: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    window_start: int | None = None,
+    window_width: int | None = None,
+    pos_features: int | None = None,
+    kind: str | None = None,
+) -> Translator:
+    """A fresh (identity-initialised) translator for two loaded models.
+
+    Args:
+        source: Source :class:`~mot_cag.models.registry.LoadedModel`.
+        target: Target :class:`~mot_cag.models.registry.LoadedModel`.
+        mode: ``direct`` (every target layer) or ``replay`` (the window only).
+        expert: Expert kind.
+        experts: K.
+        top_k: Experts mixed per token.
+        hidden: Expert hidden width.
+        heads: Attention heads of ``attn`` experts.
+        window_start: First injected target layer in replay (default: top-aligned window).
+        window_width: Replay window width (default: 30% of the shallower depth).
+        pos_features: Position features (default 32 for absolute-position targets, 0 for RoPE).
+        kind: Label for listings (default ``mot`` when K > 1 else ``single``).
+    """
+    from mot_cag.translate.alignment import tokenizer_fingerprint
+
+    lm = LayerMap.build(source.layout.layers, target.layout.layers, mode, window_start, window_width)
+    if pos_features is None:
+        pos_features = 32 if target.layout.positions == "absolute" else 0
+    cfg = TranslatorConfig(
+        source=source.name, target=target.name,
+        source_layout=source.layout.to_dict(), target_layout=target.layout.to_dict(),
+        layer_map=lm.to_dict(), mode=mode, expert=expert, experts=experts, top_k=min(top_k, experts),
+        hidden=hidden, heads=heads, pos_features=pos_features,
+        source_fingerprint=source.fingerprint, target_fingerprint=target.fingerprint,
+        source_tokenizer=tokenizer_fingerprint(source.tokenizer),
+        target_tokenizer=tokenizer_fingerprint(target.tokenizer),
+        kind=kind or ("mot" if experts > 1 else "single"),
+    )
+    translator = Translator(cfg)
+    # Exact frequencies from the model configs (scaled RoPE variants differ from the default formula).
+    from mot_cag.models.layout import rope_inv_freq
+
+    if source.layout.positions == "rope":
+        translator.src_inv_freq = rope_inv_freq(source.model.config)
+    if target.layout.positions == "rope":
+        translator.tgt_inv_freq = rope_inv_freq(target.model.config)
+    return translator.to(target.device)

@@ -1,0 +1,150 @@
+"""Calibration and the closed-form ridge baseline.
+
+From calibration prefills (source and target over the same texts) we collect, per translated target layer,
+pairs of aligned, position-free source K/V rows ``x`` and native target K/V rows ``y``. They give
+
+* the per-layer, per-channel normalisation every translator carries (means and scales of ``x`` and ``y``);
+* a ridge regression ``y_n ≈ x_n A + p B + b`` per layer (``p``: target-position features for absolute
+  targets), solved in closed form. It initialises the linear part of trained experts and, on its own, is the
+  training-free baseline (:func:`fit_ridge_translator`, ``kind="ridge"``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+import torch
+
+from mot_cag.models.cache import rotate_keys
+from mot_cag.translate.alignment import leading_unaligned
+from mot_cag.translate.inject import source_window
+from mot_cag.translate.mot import MixtureOfTranslators, Translator, build_translator, position_features
+
+
+def _target_rows(translator: Translator, ex) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native target K/V of the translated layers over the context, keys un-rotated: ``(n, T, W_tgt)`` each."""
+    cfg = translator.config
+    t = len(ex.tgt_ids)
+    idx = torch.tensor(cfg.layers.target_layers, device=ex.native_full.keys.device)
+    keys = ex.native_full.keys[idx, :, :t]  # (n, H, T, D)
+    values = ex.native_full.values[idx, :, :t]
+    if cfg.tgt.positions == "rope":
+        pos = torch.arange(ex.start, ex.start + t, device=keys.device)
+        keys = rotate_keys(keys, -pos, translator.tgt_inv_freq.to(keys.device))
+    n, h, _, d = keys.shape
+    return keys.permute(0, 2, 1, 3).reshape(n, t, h * d), values.permute(0, 2, 1, 3).reshape(n, t, h * d)
+
+
+@torch.no_grad()
+def collect(translator: Translator, examples: Iterable, tokens: int) -> dict[str, torch.Tensor]:
+    """Gather ``tokens`` aligned rows: ``xk, xv`` ``(n, N, W_src)``, ``yk, yv`` ``(n, N, W_tgt)``, ``pos`` ``(N,)``."""
+    parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": [], "pos": []}
+    total = 0
+    for ex in examples:
+        xk, xv = source_window(translator, ex.src_chunk, ex.W)
+        yk, yv = _target_rows(translator, ex)
+        skip = leading_unaligned(ex.W)  # target-only tokens are computed natively, not translated
+        for name, x in (("xk", xk), ("xv", xv), ("yk", yk), ("yv", yv)):
+            parts[name].append(x[:, skip:].float().cpu())
+        parts["pos"].append(torch.arange(ex.start + skip, ex.start + len(ex.tgt_ids)))
+        total += len(ex.tgt_ids) - skip
+        if total >= tokens:
+            break
+    return {k: torch.cat(v, dim=0 if k == "pos" else 1) for k, v in parts.items()}
+
+
+def _set_stats(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor) -> None:
+    for prefix, data in (("in", x), ("out", y)):
+        mean = data.mean(1, keepdim=True)  # (n, 1, W)
+        std = data.std(1, keepdim=True)
+        # Near-constant channels would blow up after division: floor them at 1% of the layer's typical scale.
+        std = torch.maximum(std, 0.01 * std.mean(-1, keepdim=True)).clamp_min(1e-6)
+        getattr(mix, f"{prefix}_mean").copy_(mean.to(mix.in_mean.device))
+        getattr(mix, f"{prefix}_std").copy_(std.to(mix.in_mean.device))
+
+
+def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.Tensor | None, lam: float) -> float:
+    """Solve the per-layer ridge in normalised space and write it into every expert's linear part.
+
+    Returns:
+        Mean relative residual (residual energy / target energy) on the calibration rows.
+    """
+    dev = mix.in_mean.device
+    xn = ((x.to(dev) - mix.in_mean) / mix.in_std).double()  # (n, N, W_in)
+    yn = ((y.to(dev) - mix.out_mean) / mix.out_std).double()  # (n, N, W_out)
+    n, rows, w_in = xn.shape
+    feats = [xn]
+    if p is not None:
+        feats.append(p.to(dev).double().expand(n, -1, -1))  # (n, N, P)
+    feats.append(torch.ones(n, rows, 1, dtype=torch.float64, device=dev))
+    f = torch.cat(feats, dim=-1)  # (n, N, F)
+    gram = f.transpose(1, 2) @ f  # (n, F, F)
+    reg = lam * gram.diagonal(dim1=1, dim2=2).mean(-1)  # scale-aware ridge strength per layer
+    eye = torch.eye(f.shape[-1], dtype=torch.float64, device=dev)
+    eye[-1, -1] = 0.0  # do not shrink the bias
+    sol = torch.linalg.solve(gram + reg[:, None, None] * eye, f.transpose(1, 2) @ yn)  # (n, F, W_out)
+    resid = ((f @ sol - yn).pow(2).sum() / yn.pow(2).sum().clamp_min(1e-12)).item()
+    sol = sol.float()
+    for expert in mix.experts:
+        expert.linear.weight.data.copy_(sol[:, :w_in])
+        expert.linear.bias.data.copy_(sol[:, -1:])
+        if expert.pos is not None and p is not None:
+            expert.pos.weight.data.copy_(sol[:, w_in:-1])
+    return resid
+
+
+@torch.no_grad()
+def calibrate(
+    translator: Translator, examples: Iterable, tokens: int = 4096, fit: bool = True, ridge_lambda: float = 1e-2
+) -> dict:
+    """Set the translator's normalisation from calibration examples and, if ``fit``, its ridge linear part.
+
+    Args:
+        translator: Translator to calibrate in place.
+        examples: Prepared examples (:class:`~mot_cag.translate.train.Example`).
+        tokens: Target tokens to use.
+        fit: Also solve the ridge regression into every expert's linear part.
+        ridge_lambda: Ridge strength relative to the mean feature energy.
+
+    Returns:
+        Summary: tokens used, and the relative residuals of the key and value fits when ``fit``.
+    """
+    t0 = time.time()
+    data = collect(translator, examples, tokens)
+    _set_stats(translator.keys, data["xk"], data["yk"])
+    _set_stats(translator.values, data["xv"], data["yv"])
+    out = {"tokens": int(data["pos"].numel())}
+    if fit:
+        cfg = translator.config
+        p = None
+        if cfg.pos_features:
+            p = position_features(data["pos"], cfg.pos_features, cfg.tgt.max_positions).unsqueeze(0)  # (1, N, P)
+        out["key_residual"] = _fit(translator.keys, data["xk"], data["yk"], p, ridge_lambda)
+        out["value_residual"] = _fit(translator.values, data["xv"], data["yv"], p, ridge_lambda)
+    out["seconds"] = round(time.time() - t0, 2)
+    return out
+
+
+def fit_ridge_translator(
+    source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, mode: str = "direct",
+    window_start: int | None = None, window_width: int | None = None,
+) -> Translator:
+    """The training-free baseline: one linear map per target layer, fitted in closed form.
+
+    Args:
+        source: Source loaded model.
+        target: Target loaded model.
+        examples: Prepared calibration examples (see :func:`~mot_cag.translate.train.example_stream`).
+        tokens: Calibration tokens.
+        ridge_lambda: Ridge strength.
+        mode: ``direct`` or ``replay``.
+        window_start: Replay window start.
+        window_width: Replay window width.
+    """
+    translator = build_translator(source, target, mode=mode, expert="linear", experts=1, top_k=1,
+                                  window_start=window_start, window_width=window_width, kind="ridge")
+    summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda)
+    translator.config.training = {"method": "ridge", "calibration": summary, "ridge_lambda": ridge_lambda}
+    return translator.eval()

@@ -1,0 +1,394 @@
+"""Training translators: frozen source and target, only the translator learns.
+
+One example is a ``(context, continuation)`` text pair. The source prefills the context; the translator turns
+that cache into the target's; the target reads the continuation over it. Losses (weights configurable, so
+the ablations CE-only / CCL-only / both are flags):
+
+* ``ce``: prompt-LM cross-entropy of the continuation's tokens read over the translated cache;
+* ``ccl``: Context Correction Loss — per-layer relative MSE (MSE / variance of the native tensor) between the
+  target's K/V along the translated trajectory (context cache + continuation) and along the native one
+  (target over its own prefill), from the first injected layer up;
+* ``kl``: KL(native || translated) of the target's next-token distributions over the continuation, a
+  distillation term beyond the paper (0 reproduces the paper's loss);
+* ``balance``: importance CV² of the routers (keeps experts in use).
+
+AdamW, linear warmup then cosine decay, gradient clipping, seeded; runs where the target runs (CUDA when the
+caller loaded it there).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mot_cag.models.cache import KVChunk, forward, prefill
+from mot_cag.translate.alignment import token_alignment
+from mot_cag.translate.data import Pair, pair_stream
+from mot_cag.translate.inject import translate
+from mot_cag.translate.mot import Translator
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings of :func:`train_translator`.
+
+    Attributes:
+        steps: Optimizer steps.
+        batch: Examples per step (gradients accumulated).
+        lr: Peak learning rate.
+        warmup: Linear warmup steps.
+        weight_decay: AdamW weight decay.
+        grad_clip: Max gradient norm.
+        ce: Weight of the prompt-LM cross-entropy.
+        ccl: Weight of the Context Correction Loss.
+        kl: Weight of the KL-to-native distillation term.
+        balance: Weight of the router load-balance loss.
+        seed: Seeds data order and initialisation.
+        data: ``synthetic`` or a JSONL/text file.
+        repeat_prob: Share of repeat-task examples in synthetic data.
+        init: ``ridge`` (closed-form fit of the linear part first) or ``identity``.
+        calibration_tokens: Target tokens used to calibrate normalisation (and fit the ridge init).
+        ridge_lambda: Ridge regularisation (relative to the mean feature energy).
+        max_context_tokens: Longer contexts are cut (source tokens).
+        random_start: Probability of placing the context at a random position (absolute-position targets), so
+            the translator learns to write K/V for chunks that do not start at 0.
+        log_every: Steps between log records.
+    """
+
+    steps: int = 300
+    batch: int = 4
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ce: float = 1.0
+    ccl: float = 1.0
+    kl: float = 1.0
+    balance: float = 0.01
+    seed: int = 0
+    data: str = "synthetic"
+    repeat_prob: float = 0.3
+    init: str = "ridge"
+    calibration_tokens: int = 4096
+    ridge_lambda: float = 1e-2
+    max_context_tokens: int = 384
+    random_start: float = 0.25
+    log_every: int = 10
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch < 1:
+            raise ValueError("steps must be >= 0 and batch >= 1.")
+        if min(self.ce, self.ccl, self.kl, self.balance) < 0 or self.ce + self.ccl + self.kl == 0:
+            raise ValueError("Loss weights must be >= 0 with at least one of ce, ccl, kl positive.")
+        if self.init not in ("ridge", "identity"):
+            raise ValueError("init must be 'ridge' or 'identity'.")
+
+
+@dataclass
+class Example:
+    """One prepared example (everything that does not depend on the translator, computed once).
+
+    Attributes:
+        src_chunk: Source KV of the context ``[L_s, H_s, T_s, D_s]`` at start 0.
+        W: ``[T_t, T_s]`` alignment.
+        tgt_ids: ``[T_t]`` target context ids.
+        cont_ids: ``[T_c]`` target continuation ids.
+        start: Target position of the context's first token.
+        native_full: Target's own KV over context + continuation ``[L_t, H_t, T_t + T_c, D_t]``.
+        native_logits: ``[T_c, vocab]`` target logits over the continuation with its own context.
+    """
+
+    src_chunk: KVChunk
+    W: torch.Tensor
+    tgt_ids: torch.Tensor
+    cont_ids: torch.Tensor
+    start: int
+    native_full: KVChunk
+    native_logits: torch.Tensor
+
+
+@torch.no_grad()
+def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, start: int = 0,
+                    max_continuation_tokens: int = 128) -> Example | None:
+    """Tokenize, align, prefill the source and run the native target; ``None`` if the pair is unusable.
+
+    Contexts longer than ``max_context_tokens`` (or than the target's position limit allows) are cut at a
+    character boundary; continuations are cut to ``max_continuation_tokens``.
+    """
+    context, continuation = pair
+    cont_ids = torch.tensor(target.tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    cont_ids = cont_ids[:max_continuation_tokens]
+    budget = min(max_context_tokens, target.layout.max_positions - start - len(cont_ids),
+                 source.layout.max_positions)
+    if budget < 4 or len(cont_ids) < 2:
+        return None
+    context = context[: 8 * budget]
+    while True:
+        al = token_alignment(source.tokenizer, target.tokenizer, context)
+        if max(len(al.src_ids), len(al.tgt_ids)) <= budget:
+            break
+        context = context[: int(len(context) * 0.85)]
+    if len(al.tgt_ids) == 0 or len(al.src_ids) == 0:
+        return None
+    src_chunk = prefill(source.model, al.src_ids.to(source.device))
+    native_ctx = prefill(target.model, al.tgt_ids.to(target.device), start=start)
+    logits, native_full = forward(target.model, cont_ids.to(target.device), native_ctx)
+    return Example(src_chunk.to(target.device), al.W, al.tgt_ids, cont_ids, start, native_full, logits)
+
+
+def _relative_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-layer MSE of ``a`` against ``b`` ``(L, H, T, D)``, divided by ``b``'s variance, averaged."""
+    mse = (a - b).pow(2).mean(dim=(1, 2, 3))
+    return (mse / b.var(dim=(1, 2, 3)).clamp_min(1e-6)).mean()
+
+
+def _kl(native_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(native || other) of the next-token distributions."""
+    return F.kl_div(logits.float().log_softmax(-1), native_logits.float().log_softmax(-1), log_target=True,
+                    reduction="batchmean")
+
+
+def loss_terms(translator: Translator, ex: Example, target, mode: str | None = None) -> dict[str, torch.Tensor]:
+    """The differentiable loss terms of one example."""
+    mode = mode or translator.config.mode
+    ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, mode)
+    logits, full = forward(target.model, ex.cont_ids.to(target.device), ctx)
+    cont = ex.cont_ids.to(logits.device)
+    first = 0 if mode == "direct" else translator.config.layers.window_start
+    ccl = (_relative_mse(full.keys[first:], ex.native_full.keys[first:])
+           + _relative_mse(full.values[first:], ex.native_full.values[first:])) / 2
+    return {
+        "ce": F.cross_entropy(logits[:-1].float(), cont[1:]),
+        "ccl": ccl,
+        "kl": _kl(ex.native_logits, logits),
+        "balance": translator.balance_loss(),
+    }
+
+
+def _schedule(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier: linear warmup, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) -> Iterable[Example]:
+    """Endless prepared examples from ``cfg.data``."""
+    rng = random.Random(cfg.seed if seed is None else seed)
+    for pair in pair_stream(cfg.data, cfg.seed if seed is None else seed, cfg.repeat_prob):
+        start = 0
+        if target.layout.positions == "absolute" and rng.random() < cfg.random_start:
+            start = rng.randint(1, max(1, target.layout.max_positions // 4))
+        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start)
+        if ex is not None:
+            yield ex
+
+
+def train_translator(
+    translator: Translator,
+    source,
+    target,
+    cfg: TrainConfig,
+    log: Callable[[dict], None] | None = None,
+) -> dict:
+    """Train ``translator`` in place (source and target stay frozen).
+
+    Args:
+        translator: From :func:`~mot_cag.translate.mot.build_translator`, on the target's device.
+        source: Source loaded model.
+        target: Target loaded model.
+        cfg: Settings.
+        log: Called with a record every ``cfg.log_every`` steps (step, loss terms, lr, router balance, seconds).
+
+    Returns:
+        A training summary (also stored in ``translator.config.training``).
+    """
+    from mot_cag.translate.ridge import calibrate
+
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    calib = calibrate(translator, example_stream(source, target, cfg, seed=cfg.seed + 10_000),
+                      cfg.calibration_tokens, fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda)
+    params = [p for p in translator.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg))
+    stream = iter(example_stream(source, target, cfg))
+    weights = {"ce": cfg.ce, "ccl": cfg.ccl, "kl": cfg.kl, "balance": cfg.balance}
+    history: list[dict] = []
+    running: dict[str, float] = {}
+    translator.train()
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(cfg.batch):
+            terms = loss_terms(translator, next(stream), target)
+            loss = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
+            (loss / cfg.batch).backward()
+            for k, v in terms.items():
+                running[k] = running.get(k, 0.0) + float(v.detach()) / cfg.batch
+            running["loss"] = running.get("loss", 0.0) + float(loss.detach()) / cfg.batch
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        opt.step()
+        sched.step()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            n = cfg.log_every if (step + 1) % cfg.log_every == 0 else (step + 1) % cfg.log_every
+            record = {"step": step + 1, **{k: v / n for k, v in running.items()}, "lr": sched.get_last_lr()[0],
+                      "grad_norm": grad_norm, "seconds": round(time.time() - t0, 1), **translator.balance()}
+            history.append(record)
+            running = {}
+            if log is not None:
+                log(record)
+    translator.eval()
+    summary = {"config": asdict(cfg), "calibration": calib, "steps": cfg.steps, "seconds": round(time.time() - t0, 1),
+               "final": history[-1] if history else {}, "history": history}
+    translator.config.training = summary
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate_translator(
+    translator: Translator, source, target, pairs: Iterable[Pair], mode: str | None = None,
+    max_context_tokens: int = 384,
+) -> dict:
+    """Held-out fidelity over continuations: KL to the native target and the context benefit kept.
+
+    For each pair the target reads the continuation (teacher-forced, first token excluded from scores) over
+    its own prefill (native), over the translated cache, and with no context. Returns means of
+    ``kl_translated`` = KL(native || translated), ``kl_none``, ``kl_benefit`` = 1 - kl_translated / kl_none,
+    ``nll_native``, ``nll_translated``, ``nll_none``, ``nll_benefit`` = (none - translated) / (none - native),
+    ``top1_agreement`` (translated argmax = native argmax) and ``n``.
+    """
+    sums = {"kl_translated": 0.0, "kl_none": 0.0, "nll_native": 0.0, "nll_translated": 0.0, "nll_none": 0.0,
+            "top1_agreement": 0.0}
+    n = 0
+    for pair in pairs:
+        ex = prepare_example(source, target, pair, max_context_tokens)
+        if ex is None:
+            continue
+        ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), 0, mode)
+        cont = ex.cont_ids.to(target.device)
+        logits, _ = forward(target.model, cont, ctx, keep_cache=False)
+        none, _ = forward(target.model, cont, None, keep_cache=False)
+        sl = slice(0, -1)
+        sums["kl_translated"] += float(_kl(ex.native_logits[sl], logits[sl]))
+        sums["kl_none"] += float(_kl(ex.native_logits[sl], none[sl]))
+        for name, lg in (("nll_native", ex.native_logits), ("nll_translated", logits), ("nll_none", none)):
+            sums[name] += float(F.cross_entropy(lg[:-1].float(), cont[1:]))
+        sums["top1_agreement"] += float((logits[sl].argmax(-1) == ex.native_logits[sl].argmax(-1)).float().mean())
+        n += 1
+    out = {k: v / max(n, 1) for k, v in sums.items()}
+    # Undefined ratios (no examples, or a context with no effect) are None, which JSON can carry.
+    out["kl_benefit"] = 1 - out["kl_translated"] / out["kl_none"] if out["kl_none"] > 0 else None
+    gap = out["nll_none"] - out["nll_native"]
+    out["nll_benefit"] = (out["nll_none"] - out["nll_translated"]) / gap if abs(gap) > 1e-9 else None
+    out["n"] = n
+    return out
+
+
+# ------------------------------------------------------------------------------------------ whole recipe
+
+
+@dataclass
+class TrainRequest:
+    """What ``mot-cag train`` asks for (library entry point :func:`run_training`).
+
+    Attributes:
+        source: Source model name.
+        target: Target model name.
+        out: Output directory (default: the user translator directory, ``<source>__<target>``).
+        kind: ``mot`` (K experts), ``single`` (K = 1) or ``ridge`` (closed form, no training).
+        mode: ``direct`` or ``replay``.
+        expert: Expert kind (``attn``, ``mlp``).
+        experts: K.
+        top_k: Experts mixed per token.
+        hidden: Expert hidden width.
+        window_start: Replay window start (default: top-aligned).
+        window_width: Replay window width (default: 30% of the shallower depth).
+        eval_examples: Held-out synthetic pairs (eval split, fresh seed) scored after training (0: skip).
+        device: ``auto``, ``cpu``, ``cuda``...
+        train: Optimisation settings.
+    """
+
+    source: str
+    target: str
+    out: str | None = None
+    kind: str = "mot"
+    mode: str = "direct"
+    expert: str = "attn"
+    experts: int = 4
+    top_k: int = 2
+    hidden: int = 128
+    window_start: int | None = None
+    window_width: int | None = None
+    eval_examples: int = 16
+    device: str = "auto"
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def heldout_pairs(n: int, seed: int = 12345) -> list[Pair]:
+    """Held-out synthetic pairs: the eval split of invented strings and a seed training never uses."""
+    import itertools
+
+    from mot_cag.translate.data import synthetic_pairs
+
+    return list(itertools.islice(synthetic_pairs(seed, split="eval"), n))
+
+
+def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -> dict:
+    """Load both models, build and train (or fit) a translator, save it, score it on held-out pairs.
+
+    Returns:
+        ``{"source", "target", "kind", "mode", "experts", "params", "path", "seconds", "final", "eval"}``.
+    """
+    from pathlib import Path
+
+    from mot_cag.device import pick_device
+    from mot_cag.errors import MotCagError
+    from mot_cag.models.registry import load_model
+    from mot_cag.translate.checkpoint import pair_dirname, save_translator, user_dir
+    from mot_cag.translate.mot import build_translator
+    from mot_cag.translate.ridge import fit_ridge_translator
+
+    if req.kind not in ("mot", "single", "ridge"):
+        raise MotCagError(f"Unknown translator kind '{req.kind}'; use mot, single or ridge.")
+    t0 = time.time()
+    device = pick_device(req.device)
+    source = load_model(req.source, device=device)
+    target = load_model(req.target, device=device)
+    torch.manual_seed(req.train.seed)
+    try:
+        if req.kind == "ridge":
+            translator = fit_ridge_translator(
+                source, target, example_stream(source, target, req.train), req.train.calibration_tokens,
+                req.train.ridge_lambda, req.mode, req.window_start, req.window_width)
+        else:
+            experts = 1 if req.kind == "single" else req.experts
+            translator = build_translator(
+                source, target, mode=req.mode, expert=req.expert, experts=experts, top_k=min(req.top_k, experts),
+                hidden=req.hidden, window_start=req.window_start, window_width=req.window_width, kind=req.kind)
+            train_translator(translator, source, target, req.train, log=log)
+    except ValueError as e:
+        raise MotCagError(str(e)) from None
+    suffix = "" if req.kind == "mot" and req.mode == "direct" else f"{req.kind}-{req.mode}"
+    out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
+    result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "mode": req.mode,
+              "experts": translator.config.experts, "params": translator.parameter_count()}
+    if req.eval_examples:
+        pairs = heldout_pairs(req.eval_examples)
+        result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens)
+                          for m in ("direct", "replay") if not (m == "direct" and req.mode == "replay")}
+        translator.config.training["heldout"] = result["eval"]
+    save_translator(translator, out)
+    result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
+                   "final": {k: v for k, v in translator.config.training.get("final", {}).items()}})
+    return result
