@@ -31,7 +31,7 @@ def test_tokenizers_are_distinct():
     toks = {f: AutoTokenizer.from_pretrained(TOKENIZER_DIR / f) for f in ("gpt2", "opt", "qwen2")}
     assert len({len(t) for t in toks.values()}) == 3
     text = "Ana Brell was born in Kolvmar. The access code of Ana Brell is 4829103."
-    for fam, tok in toks.items():
+    for tok in toks.values():
         ids = tok(text)["input_ids"]
         assert tok.decode(ids, skip_special_tokens=True) == text
         assert len(tok(text, return_offsets_mapping=True)["offset_mapping"]) == len(ids)
@@ -74,7 +74,7 @@ def test_checkpoint_roundtrip(tmp_path):
     model2, _ = build_model(spec, tok, seed=1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     assert load_checkpoint(tmp_path, model2, opt2) == {"step": 1}
-    for a, b in zip(model.parameters(), model2.parameters()):
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.bin"))
 
@@ -83,8 +83,15 @@ def test_export_loads_with_auto_classes(tmp_path):
     spec = get_spec("gpt2-mini")
     tok = load_tokenizer(spec.family)
     model, info = build_model(spec, tok)
-    state = {"step": 0, "wall_s": 0.0, "spec": spec.to_dict(), "train": {}, "circuit": info, "eval": None,
-             "data_seed": 0}
+    state = {
+        "step": 0,
+        "wall_s": 0.0,
+        "spec": spec.to_dict(),
+        "train": {},
+        "circuit": info,
+        "eval": None,
+        "data_seed": 0,
+    }
     out = export_model("gpt2-mini", model, tok, make_card("gpt2-mini", state), tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(out).float()
     assert loaded.config.n_positions >= 1024
@@ -113,9 +120,21 @@ def test_zoo_size_budget():
 @pytest.mark.slow
 def test_few_training_steps_lower_the_loss(tmp_path):
     lines: list[str] = []
-    cfg = TrainConfig(steps=30, tokens_per_step=1024, eval_every=10_000, ckpt_every=30, export_every=10_000,
-                      eval_n=2, warmup=5, threads=2, lr=3e-3)
+    cfg = TrainConfig(
+        steps=30,
+        tokens_per_step=1024,
+        eval_every=10_000,
+        ckpt_every=30,
+        export_every=10_000,
+        eval_n=2,
+        warmup=5,
+        threads=2,
+        lr=3e-3,
+    )
     train("qwen2-mini", cfg, runs_dir=tmp_path, export_dir=tmp_path / "export", log=lines.append)
-    losses = [json.loads(x)["loss"] for x in (tmp_path / "qwen2-mini" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in x]
+    losses = [
+        json.loads(x)["loss"]
+        for x in (tmp_path / "qwen2-mini" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in x
+    ]
     assert losses[-1] < losses[0] - 0.3
