@@ -110,3 +110,25 @@ def test_eval_over_store_reports_recall(tiny_dir, tiny_store, tmp_path):
     assert set(rep["modes"]) == {"translated", "direct", "native-chunks", "none"}
     assert rep["modes"]["direct"]["retrieval_recall"] == 1.0
     assert rep["retention"] is not None and "kl_benefit" in rep["retention"]
+
+
+def test_llama_index_retriever_inside_retriever_query_engine(tiny_dir, tiny_store):
+    from llama_index.core import Settings
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from mot_cag.integrations.llama_index import MotCagQueryEngine, MotCagRetriever
+
+    Settings.embed_model = None
+    retriever = MotCagRetriever(str(tiny_store), top_k=2)
+    nodes = retriever.retrieve("Where does Tomas Reddick live?")
+    assert len(nodes) == 2 and nodes[0].node.metadata["doc"].endswith("tomas.md")
+    assert nodes[0].node.metadata["chunk_key"] == nodes[0].node.node_id
+    engine = RetrieverQueryEngine.from_args(retriever, llm=MockLLM())
+    response = engine.query("Where does Tomas Reddick live?")
+    assert {n.node.node_id for n in response.source_nodes} == {n.node.node_id for n in nodes}
+    kv_engine = MotCagQueryEngine.from_store(str(tiny_store), str(tiny_dir / "tiny-qwen2"), mode="native-chunks",
+                                             top_k=2, max_new_tokens=4)
+    r = kv_engine.query("Where does Tomas Reddick live?")
+    assert isinstance(r.response, str) and len(r.source_nodes) == 2
+    assert r.metadata["mode"] == "native-chunks" and r.metadata["context_tokens"] > 0

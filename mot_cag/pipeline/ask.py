@@ -67,18 +67,23 @@ class Asker:
             translate_piece = piece_translator(source, self.target, translator=translator)
         self.builder: ContextBuilder = make_builder(mode, self.target, translate_piece)
 
-    def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None) -> AskResult:
-        """Answer ``question``; ``on_text`` receives the answer as it grows (streaming)."""
+    def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None,
+            hits: list | None = None) -> AskResult:
+        """Answer ``question``; ``on_text`` receives the answer as it grows (streaming).
+
+        Args:
+            question: The question.
+            top_k: Chunks to retrieve.
+            on_text: Streaming callback.
+            hits: Already retrieved chunks (:class:`~mot_cag.store.store.Hit`), e.g. from a llama-index
+                retriever; skips retrieval.
+        """
         if not question or not question.strip():
             raise MotCagError("The question is empty; ask something, e.g. mot-cag ask \"Where was Ana Brell born?\".")
-        if top_k <= 0:
-            raise MotCagError(f"--top-k must be at least 1, got {top_k}.")
-        n_chunks = self.store.info()["chunks"]
-        if top_k > n_chunks:
-            raise MotCagError(f"--top-k {top_k} is larger than the store ({n_chunks} chunks); use --top-k {n_chunks} "
-                              "or fewer.")
         t0 = time.perf_counter()
-        hits = self.store.search(question, k=top_k) if self.mode != "none" else []
+        if hits is None:
+            self._check_top_k(top_k)
+            hits = self.store.search(question, k=top_k) if self.mode != "none" else []
         t_retrieve = time.perf_counter() - t0
         pieces = hits_to_pieces(self.store, hits, self.target.device)
         t_load = 0.0
@@ -92,8 +97,8 @@ class Asker:
         t_context = time.perf_counter() - t2
         suffix = encode(self.target.tokenizer, qa_suffix(question))
         if ctx.tokens + len(suffix) + 8 > self.target.layout.max_positions:
-            raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit {self.target.name}'s "
-                              f"{self.target.layout.max_positions} positions; lower --top-k.")
+            raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit "
+                              f"{self.target.name}'s {self.target.layout.max_positions} positions; lower --top-k.")
         answer, ttft = self._generate(ctx.kv, suffix, t0, on_text)
         total = time.perf_counter() - t0
         timings = {"retrieve_s": t_retrieve, "load_s": t_load,
@@ -102,6 +107,14 @@ class Asker:
                    "ttft_s": ttft, "total_s": total}
         chunks = [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text} for h in hits]
         return AskResult(answer, self.target.name, self.source_name, self.mode, chunks, timings, ctx.tokens)
+
+    def _check_top_k(self, top_k: int) -> None:
+        if top_k <= 0:
+            raise MotCagError(f"--top-k must be at least 1, got {top_k}.")
+        n_chunks = self.store.info()["chunks"]
+        if top_k > n_chunks:
+            raise MotCagError(f"--top-k {top_k} is larger than the store ({n_chunks} chunks); use --top-k "
+                              f"{n_chunks} or fewer.")
 
     def _generate(self, context: kv.KVChunk | None, suffix: list[int], t0: float,
                   on_text: Callable[[str], None] | None) -> tuple[str, float]:
