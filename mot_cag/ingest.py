@@ -1,0 +1,258 @@
+"""Ingest: documents -> chunks (source tokens) -> source prefill -> KV chunk files + manifest + index.
+
+Crash safety comes from the order of writes, not from a big transaction:
+
+1. each chunk file is written to a temporary name, fsynced and renamed (``chunkfile.save_chunk``);
+2. its manifest row is committed after the rename;
+3. a document row (with its chunk list) is committed only after all its chunks exist;
+4. the index is saved atomically at the end, every ``index_save_every_s`` seconds, and on Ctrl-C.
+
+Killed anywhere, the store still opens and verifies: a file without a row is adopted by the next run (no
+prefill), a row without an embedding is embedded on the next open, a document without a row is read again
+and finds its finished chunks already there. One writer at a time (:class:`~mot_cag.store.store.WriterLock`);
+a second ingest waits for the first.
+
+Unchanged files (same size and mtime, or same sha256) are skipped without tokenizing; a changed file gets a
+fresh chunk list, and chunks only its old version used are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mot_cag.errors import StoreError
+from mot_cag.models.cache import prefill
+from mot_cag.store.chunker import Chunker
+from mot_cag.store.embed import DEFAULT_EMBEDDER, canonical_name, make_embedder
+from mot_cag.store.manifest import DocChunk
+from mot_cag.store.reader import SkippedFile, SourceFile, discover, file_sha256, read_blocks
+from mot_cag.store.store import DEFAULT_STORE, Store, StoreConfig, StoreSource, WriterLock, chunk_key
+
+#: Source model used when neither the caller nor an existing store names one.
+DEFAULT_SOURCE = "qwen2-mini"
+
+
+class IngestProgress(Protocol):
+    """Receives progress events (the CLI draws a rich progress bar from them)."""
+
+    def begin(self, files: int) -> None:
+        """Ingest starts over ``files`` files."""
+
+    def update(self, files_done: int, chunks: int, tokens: int) -> None:
+        """Totals so far: files finished, chunks handled (added or skipped), source tokens."""
+
+    def note(self, message: str) -> None:
+        """Something the user should know (waiting for a lock, a skipped file)."""
+
+
+@dataclass
+class IngestResult:
+    """What an ingest did; :meth:`to_json` is the ``mot-cag ingest --json`` record."""
+
+    store: str
+    source: str
+    documents: int = 0
+    documents_unchanged: int = 0
+    chunks_added: int = 0
+    chunks_skipped: int = 0
+    chunks_removed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    skipped_files: list[SkippedFile] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The cli.md keys, plus ``documents_unchanged``, ``chunks_removed`` and ``skipped_files``."""
+        return {
+            "documents": self.documents, "chunks_added": self.chunks_added, "chunks_skipped": self.chunks_skipped,
+            "tokens": self.tokens, "store": self.store, "source": self.source, "seconds": round(self.seconds, 3),
+            "documents_unchanged": self.documents_unchanged, "chunks_removed": self.chunks_removed,
+            "skipped_files": [s.to_dict() for s in self.skipped_files],
+        }
+
+
+def _nothing_to_do(paths: list[str], skipped: list[SkippedFile]) -> StoreError:
+    where = ", ".join(paths)
+    if not skipped:
+        return StoreError(f"No .txt or .md files found in {where}; point ingest at a folder or file of text documents.")
+    shown = "; ".join(f"{Path(s.path).name}: {s.reason}" for s in skipped[:5])
+    more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+    return StoreError(f"Nothing to ingest in {where}: every file was skipped ({shown}{more}); give UTF-8 .txt or "
+                      ".md files with some text.")
+
+
+def ingest(
+    paths: Iterable[str | Path],
+    store: str | Path = DEFAULT_STORE,
+    source: str | None = None,
+    *,
+    chunk_tokens: int | None = None,
+    dtype: str | None = None,
+    embedder: str | None = None,
+    device: torch.device | str = "cpu",
+    lock_timeout: float | None = None,
+    progress: IngestProgress | None = None,
+    index_save_every_s: float = 60.0,
+) -> IngestResult:
+    """Ingest documents into a store, creating it when absent; resumable and idempotent.
+
+    Args:
+        paths: Files and folders (read recursively: ``.txt``, ``.md``).
+        store: Store folder.
+        source: Source model; defaults to the store's own, or :data:`DEFAULT_SOURCE` for a new store.
+        chunk_tokens: Chunk size in source tokens (default: the store's, 256 for a new store).
+        dtype: KV dtype for a new store (``float16`` default); an existing store keeps its own.
+        embedder: Embedder for a new store (default all-MiniLM-L6-v2); an existing store keeps its own.
+        device: Where the source model prefills.
+        lock_timeout: Seconds to wait for another writer (``None``: wait as long as it takes).
+        progress: Progress receiver.
+        index_save_every_s: Save the index at least this often during long ingests.
+
+    Raises:
+        StoreError: Nothing readable to ingest; the store belongs to another source model, embedder or dtype;
+            the disk is full; another writer holds the store past ``lock_timeout``.
+        ModelNotFoundError: The source model is not on this machine.
+    """
+    from mot_cag.models.layout import KVLayout
+    from mot_cag.models.registry import fingerprint, load_config, load_model
+
+    t0 = time.perf_counter()
+    paths = [str(p) for p in paths]
+    files, skipped = discover(paths)
+    if not files:
+        raise _nothing_to_do(paths, skipped)
+    root = Path(store)
+    note = progress.note if progress is not None else None
+    with WriterLock(root, timeout=lock_timeout, on_wait=note):
+        existing = Store.read_config(root) if Store.exists(root) else None
+        src_name = source or (existing.source.name if existing else DEFAULT_SOURCE)
+        ref, hf_config = load_config(src_name)
+        try:
+            layout = KVLayout.from_config(hf_config)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+        emb_name = canonical_name(embedder) if embedder else (existing.embedder if existing else DEFAULT_EMBEDDER)
+        # A new store records the embedding size, so the embedder must be loaded now; an existing one knows it.
+        emb = make_embedder(emb_name) if existing is None else None
+        config = StoreConfig(
+            # A local folder is recorded absolute so the store names a model that resolves from anywhere.
+            StoreSource(str(ref.path) if ref.origin == "local" else src_name, fingerprint(ref.path), layout),
+            dtype=dtype or (existing.dtype if existing else "float16"),
+            embedder=emb_name,
+            embed_dim=emb.dim if emb is not None else existing.embed_dim,  # type: ignore[union-attr]
+            chunk_tokens=existing.chunk_tokens if existing else (chunk_tokens or 256),
+        )
+        with Store.open_for_write(root, config, embedder=emb) as st:
+            # The store keeps the name it was made with: `--source` may be another alias of the same weights.
+            result = IngestResult(store=str(root), source=st.source.name, skipped_files=skipped)
+            run = _Run(st, src_name, chunk_tokens or config.chunk_tokens, device, progress, result,
+                       index_save_every_s, load_model)
+            try:
+                st.sync_index(write=True)
+                run.all(files)
+            finally:
+                # Also on Ctrl-C: what is committed gets indexed on disk now rather than on the next open.
+                st.save_index()
+    for s in result.skipped_files:
+        if note is not None:
+            note(f"skipped {s.path}: {s.reason}")
+    if result.documents == 0:
+        raise _nothing_to_do(paths, result.skipped_files)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+class _Run:
+    """State of one ingest run over a list of files."""
+
+    def __init__(self, st: Store, src_name: str, chunk_tokens: int, device, progress: IngestProgress | None,
+                 result: IngestResult, save_every: float, load_model):
+        self.st, self.src_name, self.chunk_tokens, self.device = st, src_name, chunk_tokens, device
+        self.progress, self.result, self.save_every, self._load_model = progress, result, save_every, load_model
+        self.lm = None
+        self.chunker: Chunker | None = None
+        self.last_save = time.monotonic()
+        self.chunks_seen = 0
+
+    def _model(self):
+        # Loaded only when some file needs chunking: re-ingesting unchanged files never loads weights.
+        if self.lm is None:
+            self.lm = self._load_model(self.src_name, device=self.device)
+            if self.lm.fingerprint != self.st.source.fingerprint:
+                raise StoreError(f"Source model '{self.src_name}' changed on disk while ingesting; run again.")
+            self.chunker = Chunker(self.lm.tokenizer, self.chunk_tokens)
+        return self.lm
+
+    def all(self, files: list[SourceFile]) -> None:
+        if self.progress is not None:
+            self.progress.begin(len(files))
+        for n, f in enumerate(files, 1):
+            self.one(f)
+            if self.progress is not None:
+                self.progress.update(n, self.chunks_seen, self.result.tokens)
+            if time.monotonic() - self.last_save > self.save_every:
+                self.st.save_index()
+                self.last_save = time.monotonic()
+        self.st.embed_pending()
+
+    def one(self, f: SourceFile) -> None:
+        st, res = self.st, self.result
+        docpath = str(f.path)
+        doc = st.manifest.document(docpath)
+        if doc is not None:
+            same = doc.size == f.size and doc.mtime_ns == f.mtime_ns
+            if not same and doc.sha256 == file_sha256(f.path):
+                with st.manifest.transaction():
+                    st.manifest.touch_document(doc.id, f.mtime_ns)
+                same = True
+            if same:
+                res.documents += 1
+                res.documents_unchanged += 1
+                res.chunks_skipped += doc.chunks
+                res.tokens += doc.tokens
+                self.chunks_seen += doc.chunks
+                return
+        lm = self._model()
+        assert self.chunker is not None
+        hasher = hashlib.sha256()
+        places: list[DocChunk] = []
+        tokens = added = 0
+        try:
+            for c in self.chunker.chunks(read_blocks(f.path, hasher=hasher)):
+                key = chunk_key(st.source.fingerprint, c.token_ids)
+                if not st.has_chunk(key) and st.adopt_chunk(key) is None:
+                    ids = torch.tensor(c.token_ids, dtype=torch.long)
+                    kv = prefill(lm.model, ids, start=0)  # each chunk on its own, from position 0
+                    st.put_chunk(kv, c, docpath, key)
+                    added += 1
+                    if added % 64 == 0:
+                        st.embed_pending()
+                else:
+                    res.chunks_skipped += 1
+                places.append(DocChunk(c.index, key, c.char_start, c.char_end))
+                tokens += len(c.token_ids)
+                self.chunks_seen += 1
+                if self.progress is not None and self.chunks_seen % 8 == 0:
+                    self.progress.update(-1, self.chunks_seen, res.tokens + tokens)
+        except UnicodeDecodeError as e:
+            res.chunks_added += added  # written and kept: content-addressed, reusable by a fixed file
+            res.skipped_files.append(SkippedFile(docpath, f"not UTF-8 text (byte {e.start} of a block)"))
+            return
+        except OSError as e:
+            res.chunks_added += added
+            res.skipped_files.append(SkippedFile(docpath, f"unreadable ({e.strerror or e})"))
+            return
+        res.chunks_added += added
+        if not places:
+            res.skipped_files.append(SkippedFile(docpath, "empty"))
+            return
+        st.embed_pending()
+        res.chunks_removed += st.put_document(docpath, hasher.hexdigest(), f.size, f.mtime_ns, places, tokens)
+        res.documents += 1
+        res.tokens += tokens

@@ -1,0 +1,146 @@
+"""Retrieval indexes: a FAISS inner-product index over chunk embeddings, and BM25 over chunk text.
+
+Both are *derived* data. The manifest keeps every chunk's embedding, so the FAISS file can always be rebuilt
+from it; a stale or missing index file costs time, never data. Vectors are keyed by the manifest's chunk id
+(``int64``), never by position, so removing chunks cannot shift other ids.
+
+Index kind: exact (``IndexFlatIP``) up to :data:`IVF_THRESHOLD` vectors, ``IndexIVFFlat`` above it (trained
+on the vectors it holds, searched with ``nprobe`` lists); searched on a GPU when faiss-gpu and CUDA are there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+#: Above this many vectors, a freshly built index is IVF instead of exact.
+IVF_THRESHOLD = 200_000
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def _gpu_available() -> bool:
+    try:
+        return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    except Exception:  # noqa: BLE001 - a CPU-only faiss build may lack the call entirely
+        return False
+
+
+class VectorIndex:
+    """FAISS index of unit vectors keyed by chunk id."""
+
+    def __init__(self, dim: int, index: faiss.Index | None = None):
+        self.dim = dim
+        self.index = index if index is not None else faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self._gpu: faiss.Index | None = None
+
+    @classmethod
+    def build(cls, dim: int, ids: np.ndarray, vecs: np.ndarray, nprobe: int = 16) -> VectorIndex:
+        """A new index over ``vecs`` (``[n, dim]`` float32) with ``ids`` (``[n]`` int64)."""
+        n = len(ids)
+        if n < IVF_THRESHOLD:
+            out = cls(dim)
+        else:
+            nlist = int(4 * math.sqrt(n))
+            ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+            ivf.train(vecs)
+            ivf.nprobe = nprobe
+            out = cls(dim, faiss.IndexIDMap2(ivf))
+        out.add(ids, vecs)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, dim: int) -> VectorIndex:
+        """Read an index file written by :meth:`save`."""
+        index = faiss.read_index(str(path))
+        if index.d != dim:
+            raise ValueError(f"index file {path} has vectors of size {index.d}, the store's embedder makes {dim}")
+        return cls(dim, index)
+
+    def __len__(self) -> int:
+        return int(self.index.ntotal)
+
+    def ids(self) -> np.ndarray:
+        """Chunk ids held, ``[n]`` int64."""
+        return faiss.vector_to_array(self.index.id_map).astype(np.int64)
+
+    def add(self, ids: Sequence[int] | np.ndarray, vecs: np.ndarray) -> None:
+        """Add vectors (``[n, dim]``) under ``ids``."""
+        if len(ids) == 0:
+            return
+        self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32),
+                                np.asarray(ids, dtype=np.int64))
+        self._gpu = None
+
+    def remove(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Remove vectors by id (missing ids are ignored)."""
+        if len(ids) == 0:
+            return
+        self.index.remove_ids(np.asarray(ids, dtype=np.int64))
+        self._gpu = None
+
+    def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
+        """Top ``k`` ``(chunk id, inner product)`` for one query vector ``[dim]``."""
+        if len(self) == 0 or k <= 0:
+            return []
+        index = self.index
+        if _gpu_available():
+            if self._gpu is None:
+                self._gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
+            index = self._gpu
+        scores, ids = index.search(np.ascontiguousarray(query.reshape(1, -1), dtype=np.float32), min(k, len(self)))
+        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: temporary file, fsync, rename, so a crash leaves the old index or the new one."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        faiss.write_index(self.index, str(tmp))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens for the lexical index."""
+    return _WORD.findall(text.lower())
+
+
+class BM25:
+    """Okapi BM25 over chunk texts, built in memory.
+
+    Entity names (people, places, codes) are rare tokens that sentence embedders blur; BM25 weights them by
+    inverse document frequency, so mixing it in lifts recall for the fact questions this system answers.
+    """
+
+    def __init__(self, ids: Sequence[int], texts: Sequence[str], k1: float = 1.2, b: float = 0.75):
+        self.k1, self.b = k1, b
+        self.ids = list(ids)
+        self.lengths = np.zeros(len(self.ids), dtype=np.float32)
+        self.postings: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for row, text in enumerate(texts):
+            counts = Counter(words(text))
+            self.lengths[row] = sum(counts.values())
+            for term, tf in counts.items():
+                self.postings[term].append((row, tf))
+        self.avg_len = float(self.lengths.mean()) if len(self.ids) else 0.0
+
+    def scores(self, query: str) -> dict[int, float]:
+        """BM25 score of every chunk sharing a term with ``query``, keyed by chunk id."""
+        n = len(self.ids)
+        acc: dict[int, float] = defaultdict(float)
+        for term in set(words(query)):
+            post = self.postings.get(term)
+            if not post:
+                continue
+            idf = math.log(1.0 + (n - len(post) + 0.5) / (len(post) + 0.5))
+            for row, tf in post:
+                norm = tf + self.k1 * (1 - self.b + self.b * self.lengths[row] / max(self.avg_len, 1e-9))
+                acc[row] += idf * tf * (self.k1 + 1) / norm
+        return {self.ids[row]: s for row, s in acc.items()}

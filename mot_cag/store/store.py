@@ -1,0 +1,842 @@
+"""The KV store on disk: content-addressed chunk files, a SQLite manifest, a FAISS index, one writer at a time.
+
+Layout of a store folder::
+
+    store.json             StoreConfig: source model (name, fingerprint, KV layout), dtype, embedder, chunking
+    manifest.sqlite        documents, chunks, files, checksums, embeddings, index ids (see manifest.py)
+    index.faiss            inner-product index over chunk embeddings, keyed by chunk id (derived data)
+    chunks/ab/<key>.safetensors   one KV chunk per file (see chunkfile.py), key = content hash
+    documents/<id>.json    per-document record (path, sha256, chunk keys and offsets), for manifest rebuilds
+    writer.lock            flock held by the one process writing
+
+Chunk files are the truth: each is self-describing (source, fingerprint, layout, token ids, text, document,
+offsets, checksums), so the manifest can be rebuilt by scanning them (``verify --repair``), and the index is
+rebuilt from the embeddings the manifest keeps. Chunk KV is prefilled at position 0 (``start`` 0) with no BOS.
+
+Keys: ``sha256("mot-cag-chunk/1" | source fingerprint | int32 token ids)``, 32 hex digits, so the same
+tokens under the same source model are stored once, whatever document they came from.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mot_cag.errors import StoreError
+from mot_cag.models.cache import KVChunk
+from mot_cag.models.layout import KVLayout
+from mot_cag.store import chunkfile
+from mot_cag.store.chunker import TextChunk
+from mot_cag.store.embed import Embedder, make_embedder
+from mot_cag.store.index import BM25, VectorIndex
+from mot_cag.store.manifest import ChunkRow, DocChunk, Manifest
+
+STORE_FORMAT = "mot-cag-store/1"
+CONFIG_FILE = "store.json"
+MANIFEST_FILE = "manifest.sqlite"
+INDEX_FILE = "index.faiss"
+CHUNKS_DIR = "chunks"
+DOCS_DIR = "documents"
+LOCK_FILE = "writer.lock"
+DEFAULT_STORE = "stores/default"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: Chunk-file metadata fields covered by ``meta_checksum`` (the tensor checksum covers the tensors).
+_META_FIELDS = ("key", "source", "fingerprint", "token_ids", "text", "doc", "chunk_index", "char_start",
+                "char_end", "special_tokens")
+
+
+# ------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class StoreSource:
+    """The source model a store was made with.
+
+    Attributes:
+        name: Model name as given at creation (zoo name, alias, path...).
+        fingerprint: :func:`mot_cag.models.registry.fingerprint` of its weights and tokenizer.
+        layout: Its KV layout.
+    """
+
+    name: str
+    fingerprint: str
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What a store is; written once to ``store.json`` when the store is created.
+
+    Attributes:
+        source: Source model identity.
+        dtype: Stored KV dtype (``float16``, ``bfloat16``, ``float32``).
+        embedder: Embedder name (see :func:`mot_cag.store.embed.make_embedder`).
+        embed_dim: Embedding size.
+        chunk_tokens: Default chunk size in source tokens.
+        format: Store format version.
+    """
+
+    source: StoreSource
+    dtype: str = "float16"
+    embedder: str = "all-MiniLM-L6-v2"
+    embed_dim: int = 384
+    chunk_tokens: int = 256
+    format: str = STORE_FORMAT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise StoreError(f"KV dtype '{self.dtype}' is not supported; use one of {', '.join(DTYPES)}.")
+        if self.chunk_tokens < 8:
+            raise StoreError(f"Chunks of {self.chunk_tokens} tokens are too small; use --chunk-tokens 8 or more.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a torch dtype."""
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        d = asdict(self)
+        d["source"]["layout"] = self.source.layout.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StoreConfig:
+        """Inverse of :meth:`to_dict`; unknown keys from newer versions are ignored."""
+        src = d["source"]
+        source = StoreSource(src["name"], src["fingerprint"], KVLayout.from_dict(src["layout"]))
+        names = set(cls.__dataclass_fields__) - {"source"}
+        return cls(source=source, **{k: v for k, v in d.items() if k in names})
+
+
+def chunk_key(fingerprint: str, token_ids: Iterable[int]) -> str:
+    """Content address of a chunk: hash of the source model identity and the chunk's token ids."""
+    h = hashlib.sha256(b"mot-cag-chunk/1\0")
+    h.update(fingerprint.encode() + b"\0")
+    h.update(np.asarray(list(token_ids), dtype="<i4").tobytes())
+    return h.hexdigest()[:32]
+
+
+def chunk_relpath(key: str) -> str:
+    """Where chunk ``key`` lives, relative to the store (256 sub-folders keep directories small)."""
+    return f"{CHUNKS_DIR}/{key[:2]}/{key}.safetensors"
+
+
+def _meta_checksum(meta: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps({k: meta.get(k, "") for k in _META_FIELDS}, sort_keys=True).encode()).hexdigest()
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to a temporary file, fsync, rename: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# -------------------------------------------------------------------------------------------------- lock
+
+
+class WriterLock:
+    """Exclusive writer lock on a store (``flock``; released by the OS if the process dies).
+
+    Args:
+        root: Store folder.
+        timeout: Seconds to wait for another writer; ``0`` fails at once, ``None`` waits forever.
+        on_wait: Called once with a message when the lock is busy and we start waiting.
+    """
+
+    def __init__(self, root: Path, timeout: float | None = None, on_wait: Callable[[str], None] | None = None):
+        self.root, self.timeout, self.on_wait = root, timeout, on_wait
+        self.fd: int | None = None
+
+    def __enter__(self) -> WriterLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        warned = False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if deadline is not None and time.monotonic() >= deadline:
+                os.close(self.fd)
+                self.fd = None
+                raise StoreError(
+                    f"Another ingest is writing to store {self.root}; wait for it to finish (or stop it) and "
+                    "run this ingest again."
+                )
+            if not warned and self.on_wait is not None:
+                self.on_wait(f"another ingest is writing to {self.root}; waiting for it to finish")
+                warned = True
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+# -------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One retrieved chunk.
+
+    Attributes:
+        key: Chunk key (pass to :meth:`Store.load`).
+        doc: Path of the document it belongs to (the first, when the same chunk occurs in several).
+        chunk_index: Its position in that document.
+        score: Retrieval score (cosine similarity mixed with normalised BM25; higher is better).
+        text: The chunk's text.
+        path: The chunk file.
+        char_start: Offset of the chunk in the document.
+        char_end: End offset in the document.
+        tokens: Source tokens in the chunk.
+    """
+
+    key: str
+    doc: str
+    chunk_index: int
+    score: float
+    text: str
+    path: str
+    char_start: int = 0
+    char_end: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A stored chunk's identity and source-side content (what translators need besides the KV)."""
+
+    key: str
+    text: str
+    token_ids: list[int]
+    start: int
+    path: str
+    meta: dict[str, str]
+
+
+@dataclass
+class Problem:
+    """One finding of :meth:`Store.verify`."""
+
+    kind: str  # damaged | missing | orphan | manifest | index | temp
+    subject: str
+    detail: str
+    fixed: bool = False
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return asdict(self)
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :meth:`Store.verify`.
+
+    ``ok`` is false when committed data is damaged or missing (a chunk file, the manifest); a stale index,
+    leftover temporary files and chunk files no document uses are notes: derived or recoverable state.
+    """
+
+    store: str
+    chunks_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing committed is lost or damaged (after repairs, if any were made)."""
+        return all(p.fixed for p in self.problems)
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {"store": self.store, "ok": self.ok, "chunks_checked": self.chunks_checked,
+                "problems": [p.to_dict() for p in self.problems], "notes": [p.to_dict() for p in self.notes]}
+
+
+# -------------------------------------------------------------------------------------------------- store
+
+
+class Store:
+    """A KV store folder. Open with :meth:`open` (read) or :meth:`open_for_write` (inside a writer lock).
+
+    Reading is safe while another process writes: SQLite WAL gives readers a consistent snapshot and every
+    file is replaced atomically.
+    """
+
+    def __init__(self, root: Path, config: StoreConfig, manifest: Manifest, embedder: Embedder | None = None):
+        self.root = root
+        self.config = config
+        self.manifest = manifest
+        self._embedder = embedder
+        self._index: VectorIndex | None = None
+        self._bm25: tuple[int, BM25] | None = None
+
+    # ---------------------------------------------------------------------------------------- opening
+
+    @staticmethod
+    def exists(path: str | Path) -> bool:
+        """Whether ``path`` holds a store."""
+        return (Path(path) / CONFIG_FILE).is_file()
+
+    @staticmethod
+    def read_config(path: str | Path) -> StoreConfig:
+        """The config of the store at ``path``.
+
+        Raises:
+            StoreError: No store there, or its ``store.json`` is unreadable.
+        """
+        root = Path(path)
+        cfg = root / CONFIG_FILE
+        if not cfg.is_file():
+            raise StoreError(f"No store at {root}: create one with `mot-cag ingest DOCS --store {root}`.")
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise StoreError(f"Store config {cfg} is unreadable ({e}); restore it or re-ingest into a new store.") \
+                from None
+        if data.get("format") != STORE_FORMAT:
+            raise StoreError(f"{root} is a store of format {data.get('format')!r}; this mot-cag reads {STORE_FORMAT}.")
+        return StoreConfig.from_dict(data)
+
+    @classmethod
+    def open(cls, path: str | Path = DEFAULT_STORE, embedder: Embedder | None = None) -> Store:
+        """Open an existing store for reading (search, load, info, verify).
+
+        Raises:
+            StoreError: No store at ``path``, or its manifest is missing while chunk files exist.
+        """
+        root = Path(path)
+        config = cls.read_config(root)
+        mpath = root / MANIFEST_FILE
+        if not mpath.is_file() and any((root / CHUNKS_DIR).glob("*/*.safetensors")):
+            raise StoreError(f"Store {root} has chunk files but no manifest; rebuild it with "
+                             f"`mot-cag store verify --repair --store {root}`.")
+        try:
+            manifest = Manifest(mpath)
+        except Exception as e:  # noqa: BLE001 - sqlite raises DatabaseError for a damaged file
+            raise StoreError(f"The manifest of store {root} is damaged ({e}); rebuild it with "
+                             f"`mot-cag store verify --repair --store {root}`.") from None
+        return cls(root, config, manifest, embedder)
+
+    @classmethod
+    def open_for_write(cls, path: str | Path, config: StoreConfig, embedder: Embedder | None = None) -> Store:
+        """Open the store at ``path`` for writing, creating it with ``config`` when absent.
+
+        Call inside a :class:`WriterLock`. An existing store must have the same source model (fingerprint),
+        embedder and dtype.
+
+        Raises:
+            StoreError: The store was made by another source model, embedder or dtype.
+        """
+        root = Path(path)
+        if not cls.exists(root):
+            root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(root / CONFIG_FILE, config.to_dict())
+            chunkfile._fsync_dir(root)
+            return cls.open(root, embedder)
+        have = cls.read_config(root)
+        if have.source.fingerprint != config.source.fingerprint:
+            raise StoreError(
+                f"Store {root} holds KV caches of source model '{have.source.name}' (fingerprint "
+                f"{have.source.fingerprint}), not '{config.source.name}' ({config.source.fingerprint}); ingest with "
+                f"--source {have.source.name}, or use another --store."
+            )
+        if have.embedder != config.embedder:
+            raise StoreError(f"Store {root} is indexed with embedder '{have.embedder}', not '{config.embedder}'; "
+                             f"ingest with --embedder {have.embedder}, or use another --store.")
+        if have.dtype != config.dtype:
+            raise StoreError(f"Store {root} keeps KV in {have.dtype}, not {config.dtype}; ingest with "
+                             f"--dtype {have.dtype}, or use another --store.")
+        return cls.open(root, embedder)
+
+    def close(self) -> None:
+        """Close the manifest."""
+        self.manifest.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------- basics
+
+    @property
+    def source(self) -> StoreSource:
+        """Source model name, fingerprint and KV layout."""
+        return self.config.source
+
+    @property
+    def embedder(self) -> Embedder:
+        """The store's embedder (loaded on first use)."""
+        if self._embedder is None:
+            self._embedder = make_embedder(self.config.embedder)
+        if self._embedder.name != self.config.embedder or self._embedder.dim != self.config.embed_dim:
+            raise StoreError(f"Store {self.root} is indexed with embedder '{self.config.embedder}' "
+                             f"({self.config.embed_dim}-d), not '{self._embedder.name}' ({self._embedder.dim}-d).")
+        return self._embedder
+
+    def file(self, key: str) -> Path:
+        """Absolute path of chunk ``key``'s file."""
+        return self.root / chunk_relpath(key)
+
+    def info(self) -> dict:
+        """Totals for ``mot-cag store info --json``: documents, chunks, tokens, bytes, source, bytes_per_token.
+
+        ``bytes`` counts chunk files (the KV itself); ``tokens`` counts each stored chunk once.
+        """
+        t = self.manifest.totals()
+        return {
+            "documents": t["documents"], "chunks": t["chunks"], "tokens": t["tokens"], "bytes": t["bytes"],
+            "source": self.source.name,
+            "bytes_per_token": round(t["bytes"] / t["tokens"], 2) if t["tokens"] else 0.0,
+            "fingerprint": self.source.fingerprint, "dtype": self.config.dtype,
+            "embedder": self.config.embedder, "store": str(self.root),
+        }
+
+    # ---------------------------------------------------------------------------------------- reading
+
+    def load(self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+             verify: bool = False) -> KVChunk:
+        """The KV of chunk ``key`` (memory-mapped read), prefilled at position 0.
+
+        Args:
+            key: Chunk key from :meth:`search`.
+            device: Where the tensors go.
+            dtype: Cast to this dtype (``None`` keeps the stored one, fp16 by default).
+            verify: Recompute the checksum first; a damaged file raises instead of returning garbage.
+
+        Raises:
+            StoreError: Unknown key, missing or damaged file.
+        """
+        path = self.file(key)
+        if not path.is_file():
+            raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "
+                             f"`mot-cag store verify --store {self.root}`.")
+        chunk, _ = chunkfile.load_chunk(path, device=device, dtype=dtype, verify=verify)
+        return chunk
+
+    def chunk_info(self, key: str) -> ChunkInfo:
+        """Text, token ids and metadata of chunk ``key`` (no tensors read)."""
+        meta = chunkfile.read_metadata(self.file(key))
+        return ChunkInfo(key, meta["text"], json.loads(meta["token_ids"]), int(meta["start"]),
+                         str(self.file(key)), meta)
+
+    def token_ids(self, key: str) -> list[int]:
+        """Source token ids of chunk ``key`` (no special tokens)."""
+        return self.chunk_info(key).token_ids
+
+    # -------------------------------------------------------------------------------------- retrieval
+
+    @property
+    def index(self) -> VectorIndex:
+        """The vector index, loaded from disk and brought in line with the manifest (in memory)."""
+        if self._index is None:
+            self._index = self._load_index()
+            self.sync_index(write=False)
+        return self._index
+
+    def _load_index(self) -> VectorIndex:
+        path = self.root / INDEX_FILE
+        if path.is_file():
+            try:
+                return VectorIndex.load(path, self.config.embed_dim)
+            except Exception:  # noqa: BLE001 - a damaged index is derived data: rebuild it below
+                pass
+        return VectorIndex(self.config.embed_dim)
+
+    def sync_index(self, write: bool) -> tuple[int, int]:
+        """Make the index hold exactly the manifest's chunks.
+
+        Chunks without a stored embedding (an ingest killed between the file and its embedding) are
+        embedded now; with ``write`` their embeddings are saved to the manifest too.
+
+        Returns:
+            ``(added, removed)`` vector counts.
+        """
+        index = self._index if self._index is not None else self._load_index()
+        self._index = index
+        pending = self.manifest.missing_embeddings()
+        pending_vecs = self.embedder.encode([t for _, t in pending]) if pending else None
+        if pending and write:
+            with self.manifest.transaction():
+                self.manifest.set_embeddings([i for i, _ in pending], pending_vecs)
+        have = set(index.ids().tolist())
+        rows = {r[0] for r in self.manifest.db.execute("SELECT id FROM chunks")}
+        extra = sorted(have - rows)
+        index.remove(extra)
+        missing = sorted(rows - have)
+        ids, vecs = self.manifest.embeddings(self.config.embed_dim, ids=missing)
+        index.add(ids, vecs)
+        added = len(ids)
+        if pending and not write:
+            # Read-only: embeddings computed for this process only, the manifest is left untouched.
+            todo = [n for n, (i, _) in enumerate(pending) if i in set(missing) - set(ids.tolist())]
+            index.add([pending[n][0] for n in todo], pending_vecs[todo])
+            added += len(todo)
+        return added, len(extra)
+
+    def save_index(self) -> None:
+        """Write the index atomically (call while holding the writer lock)."""
+        self.index.save(self.root / INDEX_FILE)
+
+    def _lexical(self) -> BM25:
+        n = self.manifest.totals()["chunks"]
+        if self._bm25 is None or self._bm25[0] != n:
+            rows = list(self.manifest.db.execute("SELECT id, text FROM chunks ORDER BY id"))
+            self._bm25 = (n, BM25([r[0] for r in rows], [r[1] for r in rows]))
+        return self._bm25[1]
+
+    def search(self, query: str, k: int = 4, lexical_weight: float = 0.3) -> list[Hit]:
+        """The ``k`` chunks most relevant to ``query``.
+
+        Dense cosine similarity over the FAISS index is mixed with BM25 (normalised by the best BM25 score of
+        the query): ``score = (1 - w) * cosine + w * bm25 / max_bm25``. Candidates come from both signals.
+        Only chunks of completely ingested documents are returned.
+
+        Args:
+            query: Question or search text.
+            k: Number of chunks.
+            lexical_weight: ``w`` above; 0 uses embeddings only.
+        """
+        if k <= 0 or not query.strip():
+            return []
+        pool = max(4 * k, 32)
+        qvec = self.embedder.encode([query])[0]
+        dense = dict(self.index.search(qvec, pool))
+        lexical: dict[int, float] = {}
+        if lexical_weight > 0:
+            lex_all = self._lexical().scores(query)
+            top = sorted(lex_all.items(), key=lambda kv: -kv[1])[:pool]
+            best = top[0][1] if top else 0.0
+            lexical = {i: s / best for i, s in top} if best > 0 else {}
+        cand = set(dense) | set(lexical)
+        missing = [i for i in cand if i not in dense]
+        if missing:
+            ids, vecs = self.manifest.embeddings(self.config.embed_dim, ids=missing)
+            dense.update({int(i): float(v @ qvec) for i, v in zip(ids, vecs, strict=True)})
+        scored = sorted(((1 - lexical_weight) * dense.get(i, 0.0) + lexical_weight * lexical.get(i, 0.0), i)
+                        for i in cand)
+        rows = self.manifest.chunks_by_id(cand)
+        hits: list[Hit] = []
+        for score, cid in reversed(scored):
+            row = rows.get(cid)
+            places = self.manifest.places(row.key) if row is not None else []
+            if not places:
+                continue  # chunk of a document whose ingest has not completed
+            doc, place = places[0]
+            hits.append(Hit(row.key, doc, place.index, float(score), row.text, str(self.root / row.file),
+                            place.char_start, place.char_end, row.tokens))
+            if len(hits) == k:
+                break
+        return hits
+
+    # ---------------------------------------------------------------------------------------- writing
+
+    def has_chunk(self, key: str) -> bool:
+        """Whether the manifest has chunk ``key``."""
+        return self.manifest.chunk(key) is not None
+
+    def put_chunk(self, kv: KVChunk, chunk: TextChunk, doc: str, key: str) -> ChunkRow:
+        """Write a chunk file atomically, then commit its manifest row.
+
+        Raises:
+            StoreError: The disk is full (or another write error); nothing committed is affected.
+        """
+        rel = chunk_relpath(key)
+        meta = {
+            "key": key, "source": self.source.name, "fingerprint": self.source.fingerprint,
+            "token_ids": json.dumps(list(chunk.token_ids)), "text": chunk.text, "doc": doc,
+            "chunk_index": str(chunk.index), "char_start": str(chunk.char_start), "char_end": str(chunk.char_end),
+            "special_tokens": "none",
+        }
+        meta["meta_checksum"] = _meta_checksum(meta)
+        path = self.root / rel
+        try:
+            written = chunkfile.save_chunk(path, kv, self.source.layout, self.config.torch_dtype, meta)
+        except OSError as e:
+            for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+            what = "the disk is full" if e.errno == errno.ENOSPC else f"writing failed ({e})"
+            raise StoreError(f"Cannot write chunk {key} to {self.root}: {what}; free space and run the same ingest "
+                             "again to resume (everything committed so far is kept).") from None
+        with self.manifest.transaction():
+            self.manifest.add_chunk(key, rel, written["checksum"], kv.length, path.stat().st_size, chunk.text)
+        return self.manifest.chunk(key)  # type: ignore[return-value]
+
+    def adopt_chunk(self, key: str) -> ChunkRow | None:
+        """Take an existing, valid chunk file that has no manifest row (a crash after the rename) into the
+        manifest, so resuming does not prefill it again. Returns ``None`` when there is no usable file."""
+        path = self.file(key)
+        if not path.is_file() or check_chunk_file(path, key, self.source) is not None:
+            return None
+        meta = chunkfile.read_metadata(path)
+        with self.manifest.transaction():
+            self.manifest.add_chunk(key, chunk_relpath(key), meta["checksum"], int(meta["tokens"]),
+                                    path.stat().st_size, meta["text"])
+        return self.manifest.chunk(key)
+
+    def embed_pending(self) -> int:
+        """Embed chunks that have no embedding yet, store the vectors and add them to the index."""
+        pending = self.manifest.missing_embeddings()
+        if not pending:
+            return 0
+        vecs = self.embedder.encode([t for _, t in pending])
+        ids = [i for i, _ in pending]
+        with self.manifest.transaction():
+            self.manifest.set_embeddings(ids, vecs)
+        if self._index is not None:
+            self._index.add(ids, vecs)
+        return len(ids)
+
+    def put_document(self, path: str, sha256: str, size: int, mtime_ns: int, chunks: list[DocChunk],
+                     tokens: int) -> int:
+        """Commit a complete document, write its record, and delete chunks only its old version used.
+
+        Returns:
+            Number of chunks removed.
+        """
+        with self.manifest.transaction():
+            old_keys = self.manifest.put_document(path, sha256, size, mtime_ns, chunks, tokens)
+        write_json_atomic(self._doc_record(path), {
+            "path": path, "sha256": sha256, "size": size, "mtime_ns": mtime_ns, "tokens": tokens,
+            "chunks": [asdict(c) for c in chunks],
+        })
+        return self.collect(set(old_keys) - {c.key for c in chunks})
+
+    def _doc_record(self, path: str) -> Path:
+        return self.root / DOCS_DIR / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+
+    def collect(self, keys: Iterable[str]) -> int:
+        """Delete those of ``keys`` that no document uses: manifest rows first, then files, then vectors."""
+        with self.manifest.transaction():
+            gone = self.manifest.delete_chunks(self.manifest.unreferenced(keys))
+        for row in gone:
+            (self.root / row.file).unlink(missing_ok=True)
+        if gone and self._index is not None:
+            self._index.remove([r.id for r in gone])
+        return len(gone)
+
+    # -------------------------------------------------------------------------------------------- verify
+
+    def verify(self, repair: bool = False, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Check every chunk file against its checksums and the index against the manifest.
+
+        Args:
+            repair: Fix what can be fixed: drop damaged or missing chunks from the manifest (and the
+                documents using them, so the next ingest makes them again), adopt valid orphan files, delete
+                leftover temporary files, rebuild and save the index. Needs the writer lock.
+            progress: Called with ``(checked, total)``.
+        """
+        report = VerifyReport(str(self.root))
+        qc = self.manifest.quick_check()
+        if qc != "ok":
+            report.problems.append(Problem("manifest", str(self.root / MANIFEST_FILE), qc))
+        rows = list(self.manifest.iter_chunks())
+        bad: list[str] = []
+        for n, row in enumerate(rows, 1):
+            path = self.root / row.file
+            reason = "file missing" if not path.is_file() else check_chunk_file(path, row.key, self.source,
+                                                                                 row.checksum)
+            if reason is not None:
+                bad.append(row.key)
+                report.problems.append(Problem("missing" if reason == "file missing" else "damaged", row.key,
+                                               f"{path}: {reason}"))
+            report.chunks_checked = n
+            if progress is not None:
+                progress(n, len(rows))
+        known = {r.key for r in rows}
+        for f in sorted((self.root / CHUNKS_DIR).glob("*/*")):
+            if f.name.endswith(".tmp"):
+                report.notes.append(Problem("temp", str(f), "leftover temporary file of an interrupted write"))
+            elif f.suffix == ".safetensors" and f.stem not in known:
+                report.notes.append(Problem("orphan", f.stem, f"{f}: chunk file with no manifest row (an "
+                                                              "interrupted ingest; the next ingest adopts it)"))
+        index_path = self.root / INDEX_FILE
+        try:
+            on_disk = set(VectorIndex.load(index_path, self.config.embed_dim).ids().tolist()) \
+                if index_path.is_file() else set()
+        except Exception as e:  # noqa: BLE001
+            on_disk = set()
+            report.notes.append(Problem("index", str(index_path), f"unreadable ({e}); rebuilt on open"))
+        ids = {r.id for r in rows}
+        if on_disk != ids:
+            report.notes.append(Problem(
+                "index", str(index_path), f"index holds {len(on_disk & ids)} of {len(ids)} chunks and "
+                f"{len(on_disk - ids)} stale ids; brought up to date on open, saved by the next ingest or --repair"))
+        if repair:
+            self._repair(report, bad)
+        return report
+
+    def _repair(self, report: VerifyReport, bad: list[str]) -> None:
+        if bad:
+            with self.manifest.transaction():
+                docs = {p for k in bad for p, _ in self.manifest.places(k)}
+                for d in docs:
+                    self.manifest.delete_document(d)
+                self.manifest.delete_chunks(bad)
+            for k in bad:
+                self.file(k).unlink(missing_ok=True)
+            for p in report.problems:
+                if p.kind in ("damaged", "missing"):
+                    p.fixed = True
+                    p.detail += "; removed: run the same ingest again to recreate it"
+        for note in report.notes:
+            if note.kind == "temp":
+                Path(note.subject).unlink(missing_ok=True)
+                note.fixed = True
+            elif note.kind == "orphan":
+                note.fixed = self.adopt_chunk(note.subject) is not None
+                if not note.fixed:
+                    self.file(note.subject).unlink(missing_ok=True)
+                    note.fixed = True
+        self._index = None
+        self.sync_index(write=True)
+        self.save_index()
+        for note in report.notes:
+            if note.kind == "index":
+                note.fixed = True
+
+
+def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: str | None = None) -> str | None:
+    """Why the chunk file at ``path`` is not a valid copy of chunk ``key``, or ``None`` when it is.
+
+    Checks, in order: the header parses and is a mot-cag chunk; the metadata fields are intact; the key is
+    the hash of the recorded token ids under this source; the tensor shapes fit the source layout; the tensor
+    bytes match the recorded checksum (and the manifest's, when given).
+    """
+    try:
+        meta = chunkfile.read_metadata(path)
+    except StoreError:
+        return "unreadable header (not a safetensors chunk)"
+    if meta.get("key") != key:
+        return f"holds chunk {meta.get('key')!r}, expected {key}"
+    if meta.get("meta_checksum") != _meta_checksum(meta):
+        return "metadata fails its checksum"
+    try:
+        ids = json.loads(meta["token_ids"])
+    except (KeyError, json.JSONDecodeError):
+        return "token ids unreadable"
+    if meta.get("fingerprint") != source.fingerprint:
+        return f"made by another source model (fingerprint {meta.get('fingerprint')})"
+    if chunk_key(source.fingerprint, ids) != key:
+        return "token ids do not hash to the chunk key"
+    lay = source.layout
+    want = [lay.layers, lay.kv_heads, len(ids), lay.head_dim]
+    if json.loads(meta.get("shape", "[]")) != want:
+        return f"shape {meta.get('shape')} does not fit the source layout {want}"
+    try:
+        chunkfile.load_chunk(path, verify=True)
+    except StoreError:
+        return "tensor data fails its checksum"
+    if row_checksum is not None and row_checksum != meta["checksum"]:
+        return "checksum differs from the manifest's"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- repair
+
+
+def rebuild_manifest(root: str | Path, config: StoreConfig | None = None) -> tuple[Store, list[Problem]]:
+    """Rebuild a store's manifest from its chunk files and document records (call under the writer lock).
+
+    The old manifest (if any) is kept beside it as ``manifest.sqlite.damaged-<time>``. Chunk files that fail
+    :func:`check_chunk_file` are deleted and reported; a document is restored when all its chunks are.
+
+    Returns:
+        The reopened store and the problems found while scanning.
+    """
+    root = Path(root)
+    config = config or Store.read_config(root)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in ("", "-wal", "-shm"):
+        old = root / f"{MANIFEST_FILE}{suffix}"
+        if old.exists():
+            os.replace(old, root / f"{MANIFEST_FILE}{suffix}.damaged-{stamp}")
+    (root / INDEX_FILE).unlink(missing_ok=True)  # its ids referred to the old manifest's rows
+    st = Store(root, config, Manifest(root / MANIFEST_FILE))
+    problems: list[Problem] = []
+    for f in sorted((root / CHUNKS_DIR).glob("*/*.safetensors")):
+        reason = check_chunk_file(f, f.stem, config.source)
+        if reason is not None:
+            f.unlink(missing_ok=True)
+            problems.append(Problem("damaged", f.stem, f"{f}: {reason}; removed", fixed=True))
+            continue
+        meta = chunkfile.read_metadata(f)
+        with st.manifest.transaction():
+            st.manifest.add_chunk(f.stem, chunk_relpath(f.stem), meta["checksum"], int(meta["tokens"]),
+                                  f.stat().st_size, meta["text"])
+    for rec_path in sorted((root / DOCS_DIR).glob("*.json")):
+        try:
+            rec = json.loads(rec_path.read_text(encoding="utf-8"))
+            chunks = [DocChunk(c["index"], c["key"], c["char_start"], c["char_end"]) for c in rec["chunks"]]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            problems.append(Problem("manifest", str(rec_path), f"document record unreadable ({e}); skipped"))
+            continue
+        if all(st.has_chunk(c.key) for c in chunks):
+            with st.manifest.transaction():
+                st.manifest.put_document(rec["path"], rec["sha256"], rec["size"], rec["mtime_ns"], chunks,
+                                         rec["tokens"])
+        else:
+            problems.append(Problem("missing", rec["path"], "document lost chunks; re-ingest it", fixed=True))
+    st.sync_index(write=True)
+    st.save_index()
+    return st, problems
+
+
+def verify_store(path: str | Path = DEFAULT_STORE, repair: bool = False,
+                 progress: Callable[[int, int], None] | None = None, lock_timeout: float | None = 0) -> VerifyReport:
+    """Verify the store at ``path`` (see :meth:`Store.verify`), rebuilding a damaged manifest with ``repair``.
+
+    Raises:
+        StoreError: No store at ``path``; with ``repair``, another writer holds the store.
+    """
+    root = Path(path)
+    config = Store.read_config(root)
+    if not repair:
+        try:
+            st = Store.open(root)
+        except StoreError as e:
+            report = VerifyReport(str(root))
+            report.problems.append(Problem("manifest", str(root / MANIFEST_FILE), str(e)))
+            return report
+        with st:
+            return st.verify(progress=progress)
+    with WriterLock(root, timeout=lock_timeout):
+        rebuilt: list[Problem] = []
+        try:
+            st = Store.open(root)
+            qc = st.manifest.quick_check()
+            if qc != "ok":
+                st.close()
+                raise StoreError(qc)
+        except StoreError as e:
+            st, rebuilt = rebuild_manifest(root, config)
+            rebuilt.insert(0, Problem("manifest", str(root / MANIFEST_FILE), f"{e}; rebuilt from chunk files",
+                                      fixed=True))
+        with st:
+            report = st.verify(repair=True, progress=progress)
+        report.problems[:0] = rebuilt
+        return report
