@@ -1,0 +1,121 @@
+"""Time to first token: translated caches vs the target reading the text (direct), same run.
+
+    .venv/bin/python benchmarks/bench_ask.py [--source qwen2-mini] [--targets ...] [--lengths 1024 2048 4096]
+
+For each target and context length (retrieved tokens, in ~256-token chunks of synthetic documents), measures
+the median over repeats of: direct (target prefills the text, then the first answer token), translated cold
+(translate every chunk, assemble, first token) and translated warm (translated-chunk LRU hit). Source chunk
+caches are prefilled beforehand, as they sit in the store. Prints ratios against direct, the KV bytes of the
+assembled context and the process's peak RSS. Without a trained translator for a pair, an untrained one of the
+same architecture is timed (the cost does not depend on the weights) and the row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+from mot_cag.data.synthetic import WorldBuilder, render_document
+from mot_cag.models import cache as kv
+from mot_cag.models.registry import load_model
+from mot_cag.pipeline.context import LRU, DirectContext, Piece, TranslatedContext
+from mot_cag.pipeline.translation import piece_translator
+from mot_cag.prompts import as_tensor, encode, qa_suffix
+
+
+def make_pieces(source, n_tokens: int, chunk_tokens: int = 256, seed: int = 0) -> list[Piece]:
+    """Chunks of synthetic documents totalling about ``n_tokens`` source tokens, with source KV."""
+    import random
+
+    wb = WorldBuilder(random.Random(seed))
+    pieces, total = [], 0
+    while total < n_tokens:
+        text = ""
+        while len(encode(source.tokenizer, text)) < chunk_tokens:
+            text = (text + " " + render_document(wb.facts(1, 3))).strip()
+        ids = encode(source.tokenizer, text)[:chunk_tokens]
+        text = source.tokenizer.decode(ids)
+        ids = encode(source.tokenizer, text)
+        chunk = kv.prefill(source.model, as_tensor(ids))
+        pieces.append(Piece(text, key=f"{seed}-{len(pieces)}", source_kv=lambda c=chunk: c))
+        total += len(ids)
+    return pieces
+
+
+def first_token_s(target, builder, pieces, suffix) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    ctx = builder.build(pieces)
+    next(kv.greedy_tokens(target.model, as_tensor(suffix), ctx.kv, 1))
+    elapsed = time.perf_counter() - t0
+    return elapsed, ctx.kv.keys.numel() * 2 * ctx.kv.keys.element_size() if ctx.kv is not None else 0
+
+
+def translator_for(source, target):
+    if source.fingerprint == target.fingerprint:
+        return piece_translator(source, target), "same model (stored chunks as they are)"
+    try:
+        return piece_translator(source, target), "trained"
+    except Exception:  # noqa: BLE001 - no trained translator: time an untrained one of the same shape
+        import tempfile
+
+        from mot_cag.translate.checkpoint import save_translator
+        from mot_cag.translate.mot import build_translator
+
+        tmp = tempfile.mkdtemp()
+        save_translator(build_translator(source, target), tmp)
+        return piece_translator(source, target, translator=tmp), "untrained"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default="qwen2-mini")
+    parser.add_argument("--targets", nargs="+", default=["qwen2-mini", "qwen2-small", "opt-mini", "gpt2-mini"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    source = load_model(args.source)
+    suffix_text = qa_suffix("Where was Ana Brell born?", "Ana Brell was born in")
+    print(f"source {source.name}; median of {args.repeats}; times in seconds")
+    print(f"{'target':>12} {'tokens':>6} {'direct':>8} {'transl':>8} {'warm':>8} {'tr/dir':>7} {'warm/dir':>8} "
+          f"{'ctx MB':>7}  translator")
+    for name in args.targets:
+        target = load_model(name)
+        fn, status = translator_for(source, target)
+        suffix = encode(target.tokenizer, suffix_text)
+        longest = target.layout.max_positions - len(suffix) - 16
+        lengths = sorted({n for n in args.lengths if n <= longest} | {longest})
+        for n in lengths:
+            pieces = make_pieces(source, n, chunk_tokens=min(256, longest // 4), seed=n)
+            while pieces and sum(len(encode(target.tokenizer, p.text)) for p in pieces) > longest:
+                pieces.pop()
+            direct = DirectContext(target)
+            cache = LRU()
+            translated = TranslatedContext(target, fn, cache)
+            d, t, w = [], [], []
+            nbytes = 0
+            first_token_s(target, direct, pieces, suffix)  # warm-up: allocator, kernels
+            first_token_s(target, translated, pieces, suffix)
+            for _ in range(args.repeats):
+                d.append(first_token_s(target, direct, pieces, suffix)[0])
+                cache.clear()
+                elapsed, nbytes = first_token_s(target, translated, pieces, suffix)
+                t.append(elapsed)
+                w.append(first_token_s(target, translated, pieces, suffix)[0])
+            ntok = sum(len(encode(target.tokenizer, p.text)) for p in pieces)
+            md, mt, mw = statistics.median(d), statistics.median(t), statistics.median(w)
+            print(f"{name:>12} {ntok:>6} {md:>8.4f} {mt:>8.4f} {mw:>8.4f} {mt / md:>7.3f} {mw / md:>8.3f} "
+                  f"{nbytes / 1e6:>7.2f}  {status}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of this run: {peak:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
