@@ -75,6 +75,13 @@ def test_alignment_opt_bos_row_is_empty(tiny_models):
     torch.testing.assert_close(back.W.sum(1), torch.ones(len(back.tgt_ids)))
 
 
+def test_alignment_source_chunk_without_specials(tiny_models):
+    opt = tiny_models["opt"]
+    al = token_alignment(opt.tokenizer, opt.tokenizer, TEXT, src_special_tokens=False)
+    assert len(al.tgt_ids) == len(al.src_ids) + 1 and leading_unaligned(al.W) == 1
+    torch.testing.assert_close(al.W[1:], torch.eye(len(al.src_ids)))
+
+
 def test_alignment_real_tokenizers_agree_on_shared_words(tiny_models):
     a, b = tiny_models["gpt2"].tokenizer, tiny_models["qwen2"].tokenizer
     al = token_alignment(a, b, TEXT)

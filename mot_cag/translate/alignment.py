@@ -97,21 +97,26 @@ def overlap_matrix(
     return torch.where(total > 0, counts / total.clamp_min(1e-12), counts)
 
 
-def token_alignment(src_tokenizer, tgt_tokenizer, text: str, add_special_tokens: bool = True) -> Alignment:
+def token_alignment(
+    src_tokenizer, tgt_tokenizer, text: str, add_special_tokens: bool = True, src_special_tokens: bool | None = None
+) -> Alignment:
     """Tokenize ``text`` for both models and build the target-by-source averaging matrix.
 
     Args:
         src_tokenizer: Source fast tokenizer.
         tgt_tokenizer: Target fast tokenizer.
         text: The context text (one chunk).
-        add_special_tokens: Let each tokenizer add its specials (OPT's leading ``</s>``); pass ``False`` for
+        add_special_tokens: Let the tokenizers add their specials (OPT's leading ``</s>``); pass ``False`` for
             chunks that continue a context.
+        src_special_tokens: Override ``add_special_tokens`` for the source side only (e.g. a source chunk
+            stored without specials, translated for a target whose ``</s>`` leads the context).
 
     Returns:
         :class:`Alignment` ``(src_ids, tgt_ids, W)``; ``W`` is the identity for identical tokenizers.
     """
-    src_ids, src_off = _encode(src_tokenizer, text, add_special_tokens)
-    if same_tokenizer(src_tokenizer, tgt_tokenizer):
+    src_special = add_special_tokens if src_special_tokens is None else src_special_tokens
+    src_ids, src_off = _encode(src_tokenizer, text, src_special)
+    if src_special == add_special_tokens and same_tokenizer(src_tokenizer, tgt_tokenizer):
         return Alignment(src_ids, src_ids.clone(), torch.eye(len(src_ids)))
     tgt_ids, tgt_off = _encode(tgt_tokenizer, text, add_special_tokens)
     return Alignment(src_ids, tgt_ids, overlap_matrix(src_off, tgt_off, text))

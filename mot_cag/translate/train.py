@@ -58,6 +58,8 @@ class TrainConfig:
         max_context_tokens: Longer contexts are cut (source tokens).
         random_start: Probability of placing the context at a random position (absolute-position targets), so
             the translator learns to write K/V for chunks that do not start at 0.
+        plain_chunk: Probability of tokenizing the source context without special tokens (as a stored chunk
+            may be); the target side always starts with its own specials, computed natively.
         log_every: Steps between log records.
     """
 
@@ -79,6 +81,7 @@ class TrainConfig:
     ridge_lambda: float = 1e-2
     max_context_tokens: int = 384
     random_start: float = 0.25
+    plain_chunk: float = 0.5
     log_every: int = 10
     extra: dict = field(default_factory=dict)
 
@@ -116,10 +119,11 @@ class Example:
 
 @torch.no_grad()
 def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, start: int = 0,
-                    max_continuation_tokens: int = 128) -> Example | None:
+                    max_continuation_tokens: int = 128, src_special_tokens: bool = True) -> Example | None:
     """Tokenize, align, prefill the source and run the native target; ``None`` if the pair is unusable.
 
-    Contexts longer than ``max_context_tokens`` (or than the target's position limit allows) are cut at a
+    The target side always gets its specials (its ``</s>`` leads every context and is computed natively);
+    ``src_special_tokens=False`` tokenizes the source side as a stored chunk without them. Contexts longer than ``max_context_tokens`` (or than the target's position limit allows) are cut at a
     character boundary; continuations are cut to ``max_continuation_tokens``.
     """
     context, continuation = pair
@@ -131,7 +135,7 @@ def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, s
         return None
     context = context[: 8 * budget]
     while True:
-        al = token_alignment(source.tokenizer, target.tokenizer, context)
+        al = token_alignment(source.tokenizer, target.tokenizer, context, src_special_tokens=src_special_tokens)
         if max(len(al.src_ids), len(al.tgt_ids)) <= budget:
             break
         context = context[: int(len(context) * 0.85)]
@@ -187,7 +191,8 @@ def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) ->
         start = 0
         if target.layout.positions == "absolute" and rng.random() < cfg.random_start:
             start = rng.randint(1, max(1, target.layout.max_positions // 4))
-        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start)
+        plain = rng.random() < cfg.plain_chunk
+        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start, src_special_tokens=not plain)
         if ex is not None:
             yield ex
 
