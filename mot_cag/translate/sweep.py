@@ -54,7 +54,8 @@ def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 1
         tr = build_translator(source, target, expert="attn", experts=experts, top_k=min(2, experts), hidden=hidden)
         train_translator(tr, source, target, cfg)
         modes = ("direct", "replay")
-    row = {"source": source.name, "target": target.name, "variant": variant, "steps": 0 if variant == "ridge" else steps,
+    row = {"source": source.name, "target": target.name, "variant": variant,
+           "steps": 0 if variant == "ridge" else steps,
            "params": tr.parameter_count(), "train_s": round(time.time() - t0, 1)}
     for mode in modes:
         ev = evaluate_translator(tr, source, target, pairs, mode)

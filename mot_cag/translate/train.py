@@ -123,8 +123,9 @@ def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, s
     """Tokenize, align, prefill the source and run the native target; ``None`` if the pair is unusable.
 
     The target side always gets its specials (its ``</s>`` leads every context and is computed natively);
-    ``src_special_tokens=False`` tokenizes the source side as a stored chunk without them. Contexts longer than ``max_context_tokens`` (or than the target's position limit allows) are cut at a
-    character boundary; continuations are cut to ``max_continuation_tokens``.
+    ``src_special_tokens=False`` tokenizes the source side as a stored chunk without them. Contexts longer
+    than ``max_context_tokens`` (or than the target's position limit allows) are cut at a character
+    boundary; continuations are cut to ``max_continuation_tokens``.
     """
     context, continuation = pair
     cont_ids = torch.tensor(target.tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
