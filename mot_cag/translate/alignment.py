@@ -54,15 +54,22 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> tuple[torch.Tenso
     return torch.tensor(enc["input_ids"], dtype=torch.long), [tuple(o) for o in enc["offset_mapping"]]
 
 
-def _char_masks(offsets: list[tuple[int, int]], text: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token character membership: ``(all_chars, non_whitespace_chars)``, each ``[T, n_chars]`` float."""
-    n = len(text)
-    idx = torch.arange(n)
-    begin = torch.tensor([o[0] for o in offsets], dtype=torch.long).view(-1, 1)  # (T, 1)
-    end = torch.tensor([o[1] for o in offsets], dtype=torch.long).view(-1, 1)
-    member = (idx >= begin) & (idx < end)  # (T, n_chars)
-    visible = torch.tensor([not c.isspace() for c in text], dtype=torch.bool)
-    return member.float(), (member & visible).float()
+def _owners(offsets: list[tuple[int, int]], n_chars: int) -> torch.Tensor:
+    """``[n_chars]``: the token covering each character (-1 for none; the later token where spans overlap,
+    as byte-level pieces of one character do)."""
+    owner = torch.full((n_chars,), -1, dtype=torch.long)
+    for i, (b, e) in enumerate(offsets):
+        if e > b:
+            owner[b:e] = i
+    return owner
+
+
+def _counts(src_owner: torch.Tensor, tgt_owner: torch.Tensor, use: torch.Tensor, shape: tuple[int, int]):
+    """Shared-character counts ``[T_tgt, T_src]`` over the characters selected by ``use``."""
+    keep = use & (src_owner >= 0) & (tgt_owner >= 0)
+    counts = torch.zeros(shape)
+    counts.index_put_((tgt_owner[keep], src_owner[keep]), torch.ones(int(keep.sum())), accumulate=True)
+    return counts
 
 
 def overlap_matrix(
@@ -70,17 +77,20 @@ def overlap_matrix(
 ) -> torch.Tensor:
     """Row-normalised character overlap ``[T_tgt, T_src]`` from two offset mappings of ``text``.
 
-    Rows with no overlap: zero when the target token is a leading empty-span token (before any text), else a
-    one-hot on the nearest source token that starts at or before it.
+    Linear in the text length (one owner per character), so long chunks stay cheap. Rows with no overlap:
+    zero when the target token is a leading empty-span token (before any text), else a one-hot on the
+    nearest source token that starts at or before it.
     """
+    shape = (len(tgt_offsets), len(src_offsets))
     if not src_offsets or not tgt_offsets:
-        return torch.zeros(len(tgt_offsets), len(src_offsets))
-    s_all, s_vis = _char_masks(src_offsets, text)
-    t_all, t_vis = _char_masks(tgt_offsets, text)
-    counts = t_vis @ s_vis.T  # (T_tgt, T_src) shared visible characters
+        return torch.zeros(shape)
+    n = max(len(text), max(e for _, e in src_offsets), max(e for _, e in tgt_offsets))
+    src_owner, tgt_owner = _owners(src_offsets, n), _owners(tgt_offsets, n)
+    visible = torch.tensor([not c.isspace() for c in text] + [True] * (n - len(text)), dtype=torch.bool)
+    counts = _counts(src_owner, tgt_owner, visible, shape)
     whitespace_only = counts.sum(1) == 0
     if whitespace_only.any():
-        counts[whitespace_only] = t_all[whitespace_only] @ s_all.T
+        counts[whitespace_only] = _counts(src_owner, tgt_owner, torch.ones_like(visible), shape)[whitespace_only]
     src_begin = torch.tensor([o[0] for o in src_offsets])
     src_has_text = torch.tensor([o[1] > o[0] for o in src_offsets])
     first_text = next((i for i, (b, e) in enumerate(tgt_offsets) if e > b), len(tgt_offsets))
