@@ -31,6 +31,8 @@ from scipy.optimize import linprog
 from mot_cag.zoo.models import MAX_POSITIONS, ZooSpec
 
 MARGIN_NATS = 12.0  # score gap between the target offset and any other: ~e^-12 attention leak per position
+MATCH_NATS = 10.0  # induction score per matched token (a bigram match beats a unigram match by this)
+COPY_LOGIT = 12.0  # logit given to the copied token's code (others get ~0 +/- COPY_LOGIT / sqrt(E))
 
 
 def offset_amplitudes(freqs: np.ndarray, max_offset: int, length: int = MAX_POSITIONS) -> tuple[np.ndarray, float]:
@@ -71,27 +73,36 @@ def _unit_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True)
 
 
-class _Layer0:
-    """Layer-0 attention weights in (out, in) layout, read from and written back to a model."""
+class _Attn:
+    """One layer's attention weights in (out, in) layout, read from and written back to a model."""
 
-    def __init__(self, model, spec: ZooSpec) -> None:
-        self.model, self.spec = model, spec
-        h, hd = spec.width, spec.head_dim
+    def __init__(self, model, spec: ZooSpec, layer: int) -> None:
+        self.spec = spec
+        h = spec.width
         fam = spec.family
         with torch.no_grad():
             if fam == "gpt2":
-                attn = model.transformer.h[0].attn
+                attn = model.transformer.h[layer].attn
                 w, b = attn.c_attn.weight.T.clone(), attn.c_attn.bias.clone()  # Conv1D stores (in, out)
                 self.wq, self.wk, self.wv = w[:h].clone(), w[h : 2 * h].clone(), w[2 * h :].clone()
                 self.bq, self.bk, self.bv = b[:h].clone(), b[h : 2 * h].clone(), b[2 * h :].clone()
                 self.wo = attn.c_proj.weight.T.clone()
             else:
-                attn = model.model.decoder.layers[0].self_attn if fam == "opt" else model.model.layers[0].self_attn
+                layers = model.model.decoder.layers if fam == "opt" else model.model.layers
+                attn = layers[layer].self_attn
                 self.wq, self.bq = attn.q_proj.weight.clone(), attn.q_proj.bias.clone()
                 self.wk, self.bk = attn.k_proj.weight.clone(), attn.k_proj.bias.clone()
                 self.wv, self.bv = attn.v_proj.weight.clone(), attn.v_proj.bias.clone()
                 self.wo = (attn.out_proj if fam == "opt" else attn.o_proj).weight.clone()
-        self.attn, self.hd = attn, hd
+        self.attn = attn
+
+    def clear_head(self, q_head: int, kv_head: int) -> None:
+        """Zero the q rows of a query head, the k/v rows of its kv head, and its output columns."""
+        hd = self.spec.head_dim
+        qs, ks = slice(q_head * hd, (q_head + 1) * hd), slice(kv_head * hd, (kv_head + 1) * hd)
+        for m, sl in ((self.wq, qs), (self.bq, qs), (self.wk, ks), (self.bk, ks), (self.wv, ks), (self.bv, ks)):
+            m[sl] = 0.0
+        self.wo[:, qs] = 0.0
 
     def write(self) -> None:
         with torch.no_grad():
@@ -112,11 +123,12 @@ class _Layer0:
 
 
 def layout(spec: ZooSpec) -> dict[str, tuple[int, int]]:
-    """Residual-dimension blocks used by the construction: ``{"E": (start, end), "S": ..., "P1": ...}``."""
+    """Residual-dimension blocks of the construction: ``{"E": (start, end), "S": ..., "P1": ..., "C": ...}``."""
+    sizes = [("E", spec.embed_dims), ("S", spec.pos_dims)]
+    sizes += [(f"P{k}", spec.embed_dims) for k in spec.prev_offsets]
+    sizes += [("C", spec.embed_dims if spec.induction else 0)]
     blocks, at = {}, 0
-    for name, size in [("E", spec.embed_dims), ("S", spec.pos_dims)] + [
-        (f"P{k}", spec.embed_dims) for k in spec.prev_offsets
-    ]:
+    for name, size in sizes:
         if size:
             blocks[name] = (at, at + size)
             at += size
@@ -125,13 +137,31 @@ def layout(spec: ZooSpec) -> dict[str, tuple[int, int]]:
     return blocks
 
 
+def _kv_of(spec: ZooSpec, q_head: int) -> int:
+    return q_head // (spec.heads // spec.kv_heads)
+
+
+def _eye_into(m: torch.Tensor, rows, cols: tuple[int, int], scale: float) -> None:
+    """Add ``scale * I`` mapping residual block ``cols`` onto head rows ``rows`` (a list of row indices)."""
+    for j, r in enumerate(rows):
+        m[r, cols[0] + j] += scale
+
+
 def init_copy_circuit(model, spec: ZooSpec, seed: int = 0) -> dict:
-    """Set token/position embeddings and layer-0 heads of a freshly initialised model (in place).
+    """Set embeddings, layer-0 previous-token heads and (optionally) a layer-1 induction head, in place.
+
+    Layer 0: one head per offset ``k`` in ``spec.prev_offsets`` copies the embedding of token ``m - k``
+    into block ``P<k>``. Layer 1 (``spec.induction``): one head matches ``(E + P1)`` at the query with
+    ``(P1 + P2)`` at the key (the current and previous token against the key's two predecessors), copies the
+    key token's embedding into block ``C``, and the LM head reads ``C`` with the embedding codes, so the
+    model starts out predicting "what followed the last occurrence of this bigram". For Qwen2 the matching
+    uses only the slowest RoPE pairs (rotation under 0.1 rad over the whole context), so matching does not
+    depend on distance.
 
     Args:
         model: A freshly built ``GPT2LMHeadModel``, ``OPTForCausalLM`` or ``Qwen2ForCausalLM``.
         spec: Its zoo spec (layout sizes, offsets).
-        seed: Seed of the random token embeddings.
+        seed: Seed of the random token codes.
 
     Returns:
         A JSON-serialisable summary (layout, offsets, LP margin) for the model card.
@@ -140,43 +170,32 @@ def init_copy_circuit(model, spec: ZooSpec, seed: int = 0) -> dict:
     blocks = layout(spec)
     e0, e1 = blocks["E"]
     de, hd, h = e1 - e0, spec.head_dim, spec.width
-    if de % hd:
-        raise ValueError(f"{spec.name}: embed_dims {de} must be a multiple of head_dim {hd}.")
-    n_slices = de // hd  # heads needed per offset: each head carries hd dims of the embedding
+    if de > hd:
+        raise ValueError(f"{spec.name}: embed_dims {de} must not exceed head_dim {hd}.")
     fam = spec.family
     emb = model.get_input_embeddings().weight
+    codes = _unit_rows(emb.shape[0], de, gen)
     with torch.no_grad():
         emb.zero_()
-        emb[:, e0:e1] = _unit_rows(emb.shape[0], de, gen)
-    l0 = _Layer0(model, spec)
-    # How much LayerNorm/RMSNorm scales a residual made of unit-norm blocks (E and, if any, S).
-    n_blocks = 1 + (1 if spec.pos_dims else 0)
-    norm_gain = math.sqrt(h / n_blocks)
+        emb[:, e0:e1] = codes
+    l0 = _Attn(model, spec, 0)
+    # How much LayerNorm/RMSNorm scales a residual made of unit-norm blocks.
+    gain0 = math.sqrt(h / (2 if spec.pos_dims else 1))
     max_off = max(spec.prev_offsets)
+    if len(spec.prev_offsets) > spec.heads // spec.kv_heads and fam == "qwen2":
+        raise ValueError(f"{spec.name}: a kv group needs one query head per previous-token offset.")
 
     if fam == "qwen2":
         theta = spec.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
         w, margin = offset_amplitudes(theta.numpy(), max_off)
         amp = torch.from_numpy(np.sqrt(w * MARGIN_NATS / margin * math.sqrt(hd)))  # c_i
-        group = spec.heads // spec.kv_heads
-        if spec.kv_heads < n_slices or group < len(spec.prev_offsets):
-            raise ValueError(f"{spec.name}: not enough heads for the constructed previous-token heads.")
-        for g in range(n_slices):  # kv group g carries embedding slice g; W=0 so q/k are position-only
-            ks = slice(g * hd, (g + 1) * hd)
-            l0.wk[ks] = 0.0
-            l0.bk[ks] = torch.cat([amp, torch.zeros_like(amp)]).float()  # pair i = (c_i, 0)
-            l0.wv[ks] = 0.0
-            l0.wv[ks, e0 + g * hd : e0 + (g + 1) * hd] = torch.eye(hd) / norm_gain
-            l0.bv[ks] = 0.0
-            for j, k in enumerate(spec.prev_offsets):
-                head = g * group + j
-                qs = slice(head * hd, (head + 1) * hd)
-                l0.wq[qs] = 0.0
-                # q pair i = c_i e^{-i k theta_i}: score = sum c_i^2 cos((m - n - k) theta_i).
-                l0.bq[qs] = torch.cat([amp * torch.cos(k * theta), -amp * torch.sin(k * theta)]).float()
-                p0 = blocks[f"P{k}"][0] + g * hd
-                l0.wo[:, qs] = 0.0
-                l0.wo[p0 : p0 + hd, qs] = torch.eye(hd)
+        for j, k in enumerate(spec.prev_offsets):  # all in kv group 0, whose k/v are position-only / E
+            l0.clear_head(j, 0)
+            # q pair i = c_i e^{-i k theta_i}, k pair i = c_i: score = sum c_i^2 cos((m - n - k) theta_i).
+            l0.bq[j * hd : (j + 1) * hd] = torch.cat([amp * torch.cos(k * theta), -amp * torch.sin(k * theta)]).float()
+            _eye_into(l0.wo, range(*blocks[f"P{k}"]), (j * hd, j * hd + de), 1.0)
+        l0.bk[:hd] = torch.cat([amp, torch.zeros_like(amp)]).float()
+        _eye_into(l0.wv, range(de), blocks["E"], 1.0 / gain0)
     else:
         s0, s1 = blocks["S"]
         n_freq = (s1 - s0) // 4  # each frequency uses 4 dims: cos, sin, -cos, -sin
@@ -191,35 +210,64 @@ def init_copy_circuit(model, spec: ZooSpec, seed: int = 0) -> dict:
         with torch.no_grad():
             pos_weight.zero_()
             pos_weight[offset:, s0:s1] = feats.float()
-        # After the norm, each (cos, sin) pair has radius a * norm_gain; scale to amplitude c_i.
-        amp = np.sqrt(w * MARGIN_NATS / margin * math.sqrt(hd)) / (a * norm_gain)
-        if spec.heads < n_slices * len(spec.prev_offsets) or 2 * n_freq > hd:
-            raise ValueError(f"{spec.name}: not enough heads or head dims for the constructed heads.")
+        # After the norm, each (cos, sin) pair has radius a * gain0; scale to amplitude c_i.
+        amp = np.sqrt(w * MARGIN_NATS / margin * math.sqrt(hd)) / (a * gain0)
+        if 2 * n_freq > hd:
+            raise ValueError(f"{spec.name}: head_dim too small for {n_freq} position frequencies.")
         for j, k in enumerate(spec.prev_offsets):
-            for g in range(n_slices):
-                head = j * n_slices + g
-                hs = slice(head * hd, (head + 1) * hd)
-                for m in (l0.wq, l0.wk, l0.wv):
-                    m[hs] = 0.0
-                for b in (l0.bq, l0.bk, l0.bv):
-                    b[hs] = 0.0
-                for i in range(n_freq):
-                    cos_d, sin_d = s0 + i, s0 + n_freq + i
-                    qi, qj = head * hd + 2 * i, head * hd + 2 * i + 1
-                    # k = c (cos wn, sin wn); q = c (cos w(m-k), sin w(m-k)) = c R(-wk) (cos wm, sin wm).
-                    l0.wk[qi, cos_d], l0.wk[qj, sin_d] = amp[i], amp[i]
-                    ck, sk = math.cos(freqs[i] * k), math.sin(freqs[i] * k)
-                    l0.wq[qi, cos_d], l0.wq[qi, sin_d] = amp[i] * ck, amp[i] * sk
-                    l0.wq[qj, cos_d], l0.wq[qj, sin_d] = -amp[i] * sk, amp[i] * ck
-                l0.wv[hs, e0 + g * hd : e0 + (g + 1) * hd] = torch.eye(hd) / norm_gain
-                p0 = blocks[f"P{k}"][0] + g * hd
-                l0.wo[:, hs] = 0.0
-                l0.wo[p0 : p0 + hd, hs] = torch.eye(hd)
+            l0.clear_head(j, j)
+            for i in range(n_freq):
+                cos_d, sin_d = s0 + i, s0 + n_freq + i
+                qi, qj = j * hd + 2 * i, j * hd + 2 * i + 1
+                # k = c (cos wn, sin wn); q = c (cos w(m-k), sin w(m-k)) = c R(-wk) (cos wm, sin wm).
+                l0.wk[qi, cos_d], l0.wk[qj, sin_d] = amp[i], amp[i]
+                ck, sk = math.cos(freqs[i] * k), math.sin(freqs[i] * k)
+                l0.wq[qi, cos_d], l0.wq[qi, sin_d] = amp[i] * ck, amp[i] * sk
+                l0.wq[qj, cos_d], l0.wq[qj, sin_d] = -amp[i] * sk, amp[i] * ck
+            _eye_into(l0.wv, range(j * hd, j * hd + de), blocks["E"], 1.0 / gain0)
+            _eye_into(l0.wo, range(*blocks[f"P{k}"]), (j * hd, j * hd + de), 1.0)
     l0.write()
-    return {
+    info = {
         "layout": {k: list(v) for k, v in blocks.items()},
         "prev_offsets": list(spec.prev_offsets),
         "lp_margin": margin,
         "margin_nats": MARGIN_NATS,
         "seed": seed,
+        "induction": spec.induction,
     }
+    if spec.induction:
+        _init_induction(model, spec, blocks, codes)
+        info.update(match_nats=MATCH_NATS, copy_logit=COPY_LOGIT)
+    return info
+
+
+def _init_induction(model, spec: ZooSpec, blocks: dict, codes: torch.Tensor) -> None:
+    """Layer-1 head 0: bigram-matching induction head writing the next token's code into block C."""
+    de, hd, h = codes.shape[1], spec.head_dim, spec.width
+    l1 = _Attn(model, spec, 1)
+    n_blocks = 1 + (1 if spec.pos_dims else 0) + len(spec.prev_offsets)
+    gain1 = math.sqrt(h / n_blocks)
+    if spec.family == "qwen2":
+        # The slowest de/2 rotary pairs: pair i occupies dims i and i + hd/2.
+        pairs = range(hd // 2 - de // 2, hd // 2)
+        match = [i for i in pairs] + [i + hd // 2 for i in pairs]
+    else:
+        match = list(range(de))
+    lam = math.sqrt(MATCH_NATS * math.sqrt(hd)) / gain1
+    kv = _kv_of(spec, 0)
+    l1.clear_head(0, kv)
+    q_rows = [r for r in match]  # head 0 occupies q rows [0, hd)
+    k_rows = [kv * hd + r for r in match]
+    _eye_into(l1.wq, q_rows, blocks["E"], lam)
+    _eye_into(l1.wk, k_rows, blocks["P1"], lam)
+    if "P2" in blocks:
+        _eye_into(l1.wq, q_rows, blocks["P1"], lam)
+        _eye_into(l1.wk, k_rows, blocks["P2"], lam)
+    _eye_into(l1.wv, range(kv * hd, kv * hd + de), blocks["E"], 1.0 / gain1)
+    _eye_into(l1.wo, range(*blocks["C"]), (0, de), 1.0)
+    l1.write()
+    head = model.get_output_embeddings().weight  # (vocab, H)
+    c0, c1 = blocks["C"]
+    final_gain = math.sqrt(h / (n_blocks + 1))
+    with torch.no_grad():
+        head[:, c0:c1] = codes * (COPY_LOGIT / final_gain)

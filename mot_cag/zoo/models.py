@@ -5,8 +5,8 @@ name           architecture tokenizer  layers  width  heads/kv  positions
 =============  ===========  =========  ======  =====  ========  ======================
 gpt2-mini      GPT-2        gpt2 (512)      4    192  6/6       learned absolute, 2048
 opt-mini       OPT          opt (768)       3    256  8/8       learned absolute (+2), 2048
-qwen2-mini     Qwen2        qwen2 (640)     4    192  6/2       RoPE, 2048
-qwen2-small    Qwen2        qwen2 (640)     3    256  8/2       RoPE, 2048
+qwen2-mini     Qwen2        qwen2 (640)     4    192  3/1       RoPE (base 1e9), 2048
+qwen2-small    Qwen2        qwen2 (640)     3    256  4/2       RoPE (base 1e9), 2048
 =============  ===========  =========  ======  =====  ========  ======================
 
 Every spec also records the copy-circuit layout used at initialisation (see :mod:`mot_cag.zoo.circuits`):
@@ -36,11 +36,13 @@ class ZooSpec:
     heads: int
     kv_heads: int
     ffn: int
-    embed_dims: int = 64  # residual dims holding the token embedding at init
-    prev_offsets: tuple[int, ...] = (1,)  # constructed previous-token heads (layer 0)
+    embed_dims: int = 32  # residual dims holding the token code at init
+    prev_offsets: tuple[int, ...] = (1, 2)  # constructed previous-token heads (layer 0)
     pos_dims: int = 0  # sinusoidal position dims (absolute-position models only)
-    rope_theta: float = 1_000_000.0
-    lr: float = 1.5e-3
+    induction: bool = True  # constructed bigram induction head (layer 1)
+    # Large RoPE base: the slowest pairs barely rotate over 2048 positions, so content matching works there.
+    rope_theta: float = 1e9
+    lr: float = 5e-4
     extra: dict = field(default_factory=dict)
 
     @property
