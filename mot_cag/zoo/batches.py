@@ -26,11 +26,11 @@ class Curriculum:
     repeat_share: float = 0.4
     entities_start: int = 2
     entities_max: int = 8
-    grow_every: int = 600  # one more entity per this many steps
+    grow_every: int = 400  # one more entity per this many steps
     max_facts_per_entity: int = 3
     answer_weight: float = 3.0
     copy_weight: float = 1.0
-    row_lens: tuple[tuple[int, int], ...] = ((0, 256), (2400, 512), (4800, 1024))  # (from step, tokens)
+    row_lens: tuple[tuple[int, int], ...] = ((0, 256), (1500, 512), (3000, 1024))  # (from step, tokens)
 
     def row_len(self, step: int) -> int:
         """Packed row length at this step (longer rows once documents are longer)."""

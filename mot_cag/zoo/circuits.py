@@ -32,6 +32,7 @@ from mot_cag.zoo.models import MAX_POSITIONS, ZooSpec
 
 MARGIN_NATS = 12.0  # score gap between the target offset and any other: ~e^-12 attention leak per position
 MATCH_NATS = 10.0  # induction score per matched token (a bigram match beats a unigram match by this)
+RESIDUAL_INIT_SCALE = 0.1  # random residual writes (MLP out, attention out) start this much smaller
 COPY_LOGIT = 12.0  # logit given to the copied token's code (others get ~0 +/- COPY_LOGIT / sqrt(E))
 
 
@@ -137,6 +138,25 @@ def layout(spec: ZooSpec) -> dict[str, tuple[int, int]]:
     return blocks
 
 
+def _shrink_residual_writes(model, family: str) -> None:
+    """Scale down every random matrix that writes into the residual stream, and zero its bias.
+
+    Why: with default init a random MLP (OPT's in particular) adds more to the residual than the unit-norm
+    blocks of the construction, drowning the copy circuit before training has started.
+    """
+    names = {
+        "gpt2": ("attn.c_proj", "mlp.c_proj"),
+        "opt": ("self_attn.out_proj", "fc2"),
+        "qwen2": ("self_attn.o_proj", "mlp.down_proj"),
+    }[family]
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.endswith(names) and hasattr(mod, "weight"):
+                mod.weight.mul_(RESIDUAL_INIT_SCALE)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+
+
 def _kv_of(spec: ZooSpec, q_head: int) -> int:
     return q_head // (spec.heads // spec.kv_heads)
 
@@ -167,6 +187,7 @@ def init_copy_circuit(model, spec: ZooSpec, seed: int = 0) -> dict:
         A JSON-serialisable summary (layout, offsets, LP margin) for the model card.
     """
     gen = torch.Generator().manual_seed(seed)
+    _shrink_residual_writes(model, spec.family)
     blocks = layout(spec)
     e0, e1 = blocks["E"]
     de, hd, h = e1 - e0, spec.head_dim, spec.width

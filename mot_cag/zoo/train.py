@@ -52,6 +52,7 @@ class TrainConfig:
     eval_every: int = 400
     export_every: int = 800
     eval_n: int = 40
+    eval_long_tokens: int = 1000  # needle context length in the periodic evaluation
     bf16: bool = True
     device: str = "auto"
 
@@ -260,7 +261,7 @@ def train(
             )
         done = state["step"] >= cfg.steps
         if state["step"] % cfg.eval_every == 0 or done:
-            res = quick_eval(model, tok, n=cfg.eval_n)
+            res = quick_eval(model, tok, n=cfg.eval_n, long_tokens=cfg.eval_long_tokens)
             state["eval"] = res
             say(f"EVAL step {state['step']}: {summary_line(res)}")
             metf.write(json.dumps({"step": state["step"], "eval": res}) + "\n")
