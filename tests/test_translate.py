@@ -270,3 +270,15 @@ def test_a_few_training_steps_reduce_the_loss(tiny_models, init):
     after = held_loss()
     assert after < 0.9 * before, (before, after)
     assert summary["history"][-1]["step"] == 30 and "importance_cv2" in summary["history"][-1]
+
+
+def test_retrained_model_warns_or_is_refused_when_strict(tiny_models, tmp_path):
+    from dataclasses import replace
+
+    s, t = tiny_models["gpt2"], tiny_models["opt"]
+    path = save_translator(build_translator(s, t, expert="mlp", experts=1, hidden=16), tmp_path / "tr")
+    retrained = replace(t, fingerprint="0" * 16)
+    with pytest.warns(UserWarning, match="stale"):
+        load_translator(path, source=s, target=retrained)
+    with pytest.raises(TranslatorError, match="weights differ"):
+        load_translator(path, source=s, target=retrained, strict=True)

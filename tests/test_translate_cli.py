@@ -37,3 +37,16 @@ def test_train_bad_options_are_one_line_errors(tiny_dir, tmp_path):
         proc = _run(["train", "--source", src, "--target", src, "--steps", "1", "--device", "cpu", *extra], tmp_path)
         assert proc.returncode != 0, extra
         assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("error:"), (extra, proc.stderr)
+
+
+def test_cli_train_defaults_match_the_library():
+    """`mot-cag train` and `TrainConfig` must not drift apart (the CLI repeats the defaults for --help)."""
+    import inspect
+
+    from mot_cag.cli import train_cmd
+    from mot_cag.translate.train import TrainConfig
+
+    params = inspect.signature(train_cmd).parameters
+    lib = TrainConfig()
+    for name in ("steps", "batch", "lr", "ce", "ccl", "kl", "init", "seed"):
+        assert params[name].default == getattr(lib, name), name

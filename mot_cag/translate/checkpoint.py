@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -75,14 +76,18 @@ def _names_match(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def check_pair(config: TranslatorConfig, source=None, target=None, strict: bool = True) -> None:
+def check_pair(config: TranslatorConfig, source=None, target=None, strict: bool = False) -> None:
     """Refuse a translator used with models it was not made for.
+
+    Another cache layout or tokenizer means another model: refused. The same architecture and tokenizer with
+    different weights (a retrained zoo model of the same name) is the same pair, but the translator is stale:
+    a warning by default, refused with ``strict``.
 
     Args:
         config: The translator's config.
         source: Source :class:`~mot_cag.models.registry.LoadedModel` (or ``None`` to skip).
         target: Target loaded model (or ``None`` to skip).
-        strict: Also require the exact weights (model fingerprints), not only layouts and tokenizers.
+        strict: Also require the exact weights (model fingerprints).
 
     Raises:
         TranslatorError: Naming the pair it was made for and how to train the right one.
@@ -103,8 +108,11 @@ def check_pair(config: TranslatorConfig, source=None, target=None, strict: bool 
             raise TranslatorError(f"The {role} cache layout differs: {hint}")
         if tok and tokenizer_fingerprint(lm.tokenizer) != tok:
             raise TranslatorError(f"The {role} tokenizer differs: {hint}")
-        if strict and fp and lm.fingerprint != fp:
-            raise TranslatorError(f"The {role} model's weights differ from those it was trained with: {hint}")
+        if fp and lm.fingerprint != fp:
+            msg = f"The {role} model's weights differ from those it was trained with: {hint}"
+            if strict:
+                raise TranslatorError(msg)
+            warnings.warn(msg.replace("cannot translate", "may be stale for"), stacklevel=3)
 
 
 def load_translator(
@@ -112,7 +120,7 @@ def load_translator(
     source=None,
     target=None,
     device: torch.device | str | None = None,
-    strict: bool = True,
+    strict: bool = False,
 ) -> Translator:
     """Load a translator, refusing the wrong pair.
 
@@ -121,7 +129,7 @@ def load_translator(
         source: Source loaded model to check against (optional).
         target: Target loaded model to check against (optional; also sets the default device).
         device: Where to put it (default: the target's device, else CPU).
-        strict: Require exact model fingerprints (see :func:`check_pair`).
+        strict: Refuse (rather than warn about) models whose weights changed since training.
 
     Raises:
         TranslatorError: Missing/damaged files or the wrong pair.
