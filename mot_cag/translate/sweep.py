@@ -5,10 +5,10 @@ of invented strings, a seed training never uses) with :func:`~mot_cag.translate.
 ``kl_benefit`` = 1 - KL(native || translated) / KL(native || none) and ``nll_benefit``, in both injection
 modes. Variants:
 
-* ``mot``: K experts, CE + CCL + KL (the shipped default);
+* ``mot``: K experts, CCL + 5 x KL (the shipped default);
 * ``single``: K = 1, same losses;
 * ``ridge``: closed-form per-layer linear map, no training;
-* ``ce``, ``ccl``, ``ce+ccl``: loss ablations of ``mot`` (``ce+ccl`` is the paper's loss);
+* ``ce``, ``ccl``, ``ce+ccl``, ``kl``: loss ablations of ``mot`` (``ce+ccl`` is the paper's loss);
 * ``window@S``: replay-only translators injecting one target layer starting at ``S`` (the sweep).
 
 Usage::
@@ -30,9 +30,9 @@ from mot_cag.translate.mot import build_translator
 from mot_cag.translate.ridge import fit_ridge_translator
 from mot_cag.translate.train import TrainConfig, evaluate_translator, example_stream, heldout_pairs, train_translator
 
-VARIANTS = ("mot", "single", "ridge", "ce", "ccl", "ce+ccl")
-LOSSES = {"mot": (1.0, 1.0, 1.0), "single": (1.0, 1.0, 1.0), "ce": (1.0, 0.0, 0.0), "ccl": (0.0, 1.0, 0.0),
-          "ce+ccl": (1.0, 1.0, 0.0)}
+VARIANTS = ("mot", "single", "ridge", "ce", "ccl", "ce+ccl", "kl")
+LOSSES = {"mot": (0.0, 1.0, 5.0), "single": (0.0, 1.0, 5.0), "ce": (1.0, 0.0, 0.0), "ccl": (0.0, 1.0, 0.0),
+          "ce+ccl": (1.0, 1.0, 0.0), "kl": (0.0, 0.0, 5.0)}
 
 
 def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 128, seed: int = 0) -> dict:
