@@ -238,6 +238,7 @@ def train_cmd(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     eval_examples: Annotated[int, typer.Option("--eval", help="Held-out pairs scored after training.")] = 16,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    half: Annotated[bool, typer.Option("--half", help="Store the weights as float16 (half the size).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it."""
@@ -249,7 +250,7 @@ def train_cmd(
         raise MotCagError(str(e)) from None
     req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,
                        experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
-                       window_width=window_width, eval_examples=eval_examples, device=device, train=cfg)
+                       window_width=window_width, eval_examples=eval_examples, device=device, half=half, train=cfg)
 
     def log(r: dict) -> None:
         if not as_json:

@@ -282,3 +282,19 @@ def test_retrained_model_warns_or_is_refused_when_strict(tiny_models, tmp_path):
         load_translator(path, source=s, target=retrained)
     with pytest.raises(TranslatorError, match="weights differ"):
         load_translator(path, source=s, target=retrained, strict=True)
+
+
+def test_half_checkpoint_is_smaller_and_close(tiny_models, tmp_path):
+    s, t = tiny_models["qwen2"], tiny_models["gpt2"]
+    tr = build_translator(s, t, expert="mlp", experts=2, hidden=16).eval()
+    full = save_translator(tr, tmp_path / "full")
+    half = save_translator(tr, tmp_path / "half", half=True)
+    size = lambda p: (p / "translator.safetensors").stat().st_size  # noqa: E731
+    assert size(half) < 0.6 * size(full)
+    loaded = load_translator(half, s, t)
+    assert loaded.dtype == torch.float32
+    al = token_alignment(s.tokenizer, t.tokenizer, TEXT)
+    chunk = prefill(s.model, al.src_ids)
+    with torch.no_grad():
+        a, b = translate(tr, chunk, al.W, t, al.tgt_ids), translate(loaded, chunk, al.W, t, al.tgt_ids)
+    torch.testing.assert_close(a.keys, b.keys, atol=2e-2, rtol=2e-2)

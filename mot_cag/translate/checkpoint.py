@@ -46,11 +46,20 @@ def pair_dirname(source: str, target: str, suffix: str = "") -> str:
     return f"{clean(source)}__{clean(target)}" + (f"__{suffix}" if suffix else "")
 
 
-def save_translator(translator: Translator, directory: str | Path) -> Path:
-    """Write weights and config into ``directory`` (created). Returns the directory."""
+def save_translator(translator: Translator, directory: str | Path, half: bool = False) -> Path:
+    """Write weights and config into ``directory`` (created). Returns the directory.
+
+    Args:
+        translator: The translator.
+        directory: Output folder.
+        half: Store the weights as float16 (half the size; calibration buffers stay float32). Loading
+            always returns a float32 translator.
+    """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu().float() for k, v in translator.state_dict().items()}
+    params = {name for name, _ in translator.named_parameters()}
+    state = {k: v.detach().contiguous().cpu().to(torch.float16 if half and k in params else torch.float32)
+             for k, v in translator.state_dict().items()}
     meta = {"format": "mot-cag-translator", "source": translator.config.source, "target": translator.config.target}
     tmp = path / (WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata=meta)

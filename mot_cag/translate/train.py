@@ -328,6 +328,7 @@ class TrainRequest:
         window_width: Replay window width (default: 30% of the shallower depth).
         eval_examples: Held-out synthetic pairs (eval split, fresh seed) scored after training (0: skip).
         device: ``auto``, ``cpu``, ``cuda``...
+        half: Store the weights as float16.
         train: Optimisation settings.
     """
 
@@ -344,6 +345,7 @@ class TrainRequest:
     window_width: int | None = None
     eval_examples: int = 16
     device: str = "auto"
+    half: bool = False
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -400,7 +402,7 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
         result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens)
                           for m in ("direct", "replay") if not (m == "direct" and req.mode == "replay")}
         translator.config.training["heldout"] = result["eval"]
-    save_translator(translator, out)
+    save_translator(translator, out, half=req.half)
     result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
                    "final": {k: v for k, v in translator.config.training.get("final", {}).items()}})
     return result
