@@ -203,7 +203,7 @@ def test_disk_full_is_one_clear_error_and_keeps_the_store(store, tmp_path, monke
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(chunkfile, "save_chunk", full)
+    monkeypatch.setattr(chunkfile, "write_atomic", full)
     with pytest.raises(StoreError, match="disk is full") as exc:
         ingest([docs], store)
     assert "\n" not in str(exc.value)
@@ -270,15 +270,15 @@ def test_lost_manifest_is_rebuilt_from_chunk_files(clean, store, monkeypatch, ca
 def test_interrupted_ingest_verifies_and_resumes_to_the_same_chunks(clean, tiny_dir, tmp_path, monkeypatch):
     corpus, clean_store, first = clean
     calls = {"n": 0}
-    real = Store.put_chunk
+    real = ingest_mod.prefill
 
-    def dies_on_fifth(self, *a, **k):
+    def dies_on_fifth(*a, **k):
         calls["n"] += 1
         if calls["n"] == 5:
-            raise KeyboardInterrupt  # Ctrl-C between two chunk writes
-        return real(self, *a, **k)
+            raise KeyboardInterrupt  # Ctrl-C while prefilling the fifth chunk
+        return real(*a, **k)
 
-    monkeypatch.setattr(Store, "put_chunk", dies_on_fifth)
+    monkeypatch.setattr(ingest_mod, "prefill", dies_on_fifth)
     with pytest.raises(KeyboardInterrupt):
         ingest([corpus], tmp_path / "s", str(tiny_dir / "tiny-qwen2"), chunk_tokens=32, embedder="hash")
     monkeypatch.undo()

@@ -131,3 +131,41 @@ def test_default_embedder_loads_offline_and_retrieves(monkeypatch):
             "Mira Hollen plays the violin every evening."]
     q = emb.encode(["Which instrument does Mira Hollen play?"])[0]
     assert int(np.argmax(emb.encode(docs) @ q)) == 2
+
+
+def test_large_index_becomes_ivf_and_still_finds_vectors(monkeypatch):
+    import mot_cag.store.index as index_mod
+
+    monkeypatch.setattr(index_mod, "IVF_THRESHOLD", 500)
+    rng = np.random.default_rng(1)
+    vecs = rng.normal(size=(600, 32)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    index = VectorIndex.build(32, np.arange(600), vecs)
+    assert not index.is_flat and VectorIndex.build(32, np.arange(10), vecs[:10]).is_flat
+    found = sum(index.search(vecs[i], 1)[0][0] == i for i in range(0, 600, 20))
+    assert found >= 27  # approximate search: nprobe lists out of ~100, the vector itself nearly always found
+
+
+def test_one_read_loader_matches_safetensors_and_rejects_damage(tmp_path):
+    import torch
+
+    from mot_cag.errors import StoreError
+    from mot_cag.models.cache import KVChunk
+    from mot_cag.models.layout import KVLayout
+    from mot_cag.store.chunkfile import load_chunk, read_chunk_tensors, save_chunk
+
+    layout = KVLayout("qwen2", "qwen2", 2, 2, 4, 8, 32, "rope", 0, 512, 10000.0, "default")
+    kv = KVChunk(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), 0)
+    path = tmp_path / "c.safetensors"
+    save_chunk(path, kv, layout, metadata={"text": "Ana Brell"})
+    tensors, meta = read_chunk_tensors(path)
+    ref, ref_meta = load_chunk(path)
+    assert torch.equal(tensors["keys"], ref.keys) and torch.equal(tensors["values"], ref.values)
+    assert meta == ref_meta and meta["text"] == "Ana Brell"
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-7])  # truncated
+    with pytest.raises(StoreError, match="damaged"):
+        read_chunk_tensors(path)
+    path.write_bytes(raw[:8] + b"X" + raw[9:])  # header no longer JSON
+    with pytest.raises(StoreError, match="damaged"):
+        read_chunk_tensors(path)

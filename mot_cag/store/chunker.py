@@ -82,14 +82,37 @@ class Chunker:
         max_tokens: Chunk size limit in source tokens.
     """
 
+    #: Pieces tokenized per batch call (the Rust tokenizer amortises its per-call cost over a batch).
+    BATCH = 256
+
     def __init__(self, tokenizer, max_tokens: int = 256):
         if max_tokens < 8:
             raise ValueError(f"Chunks of {max_tokens} tokens are too small to be useful; use at least 8.")
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        # The fast tokenizer's Rust core gives the same ids and offsets as ``tokenizer(...)`` without the
+        # Python wrapper's per-call overhead, which dominated chunking time.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and (backend.truncation is not None or backend.padding is not None):
+            backend = None  # configured to truncate or pad: its output would differ from the wrapper's
+        self._backend = backend
 
     def _ids(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _counts(self, texts: list[str]) -> list[int]:
+        if self._backend is not None:
+            return [len(e.ids) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _ids_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if self._backend is not None:
+            enc = self._backend.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], enc["offset_mapping"]
 
     def chunks(self, blocks: Iterable[str]) -> Iterator[TextChunk]:
         """Chunks of a document given as a stream of text blocks, with ``last`` set on the final one."""
@@ -106,13 +129,13 @@ class Chunker:
     def _spans(self, blocks: Iterable[str]) -> Iterator[tuple[int, int, str, list[int]]]:
         group: list[tuple[int, str]] = []
         budget = 0
-        for offset, piece in split_pieces(blocks):
-            n = len(self._ids(piece))
-            if group and budget + n > self.max_tokens:
-                yield from self._emit(group)
-                group, budget = [], 0
-            group.append((offset, piece))
-            budget += n
+        for batch in _batched(split_pieces(blocks), self.BATCH):
+            for (offset, piece), n in zip(batch, self._counts([p for _, p in batch]), strict=True):
+                if group and budget + n > self.max_tokens:
+                    yield from self._emit(group)
+                    group, budget = [], 0
+                group.append((offset, piece))
+                budget += n
         if group:
             yield from self._emit(group)
 
@@ -126,17 +149,16 @@ class Chunker:
             text = stripped.rstrip()
             if not text:
                 return
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = enc["input_ids"]
+            ids, offsets = self._ids_offsets(text)
             if len(ids) <= self.max_tokens:
-                yield offset, offset + len(text), text, ids
+                yield offset, offset + len(text), text, list(ids)
                 return
             # Tokenizing the joined pieces can exceed the per-piece count (or one piece alone is too long):
             # cut at the end character of token max_tokens, then tokenize the head again so its ids are
             # exactly what its text encodes to.
             take = self.max_tokens
             while True:
-                cut = max(1, enc["offset_mapping"][take - 1][1])
+                cut = max(1, offsets[take - 1][1])
                 head = text[:cut].rstrip()
                 head_ids = self._ids(head)
                 if len(head_ids) <= self.max_tokens or take == 1:  # merges at the new end, rare
@@ -145,3 +167,14 @@ class Chunker:
             yield offset, offset + len(head), head, head_ids
             offset += cut
             text = text[cut:]
+
+
+def _batched(items: Iterable[tuple[int, str]], n: int) -> Iterator[list[tuple[int, str]]]:
+    batch: list[tuple[int, str]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -63,6 +63,12 @@ class VectorIndex:
             raise ValueError(f"index file {path} has vectors of size {index.d}, the store's embedder makes {dim}")
         return cls(dim, index)
 
+    @property
+    def is_flat(self) -> bool:
+        """Whether this is the exact (brute-force) kind."""
+        inner = faiss.downcast_index(self.index.index) if hasattr(self.index, "index") else self.index
+        return isinstance(inner, faiss.IndexFlat)
+
     def __len__(self) -> int:
         return int(self.index.ntotal)
 
