@@ -121,10 +121,10 @@ def test_zoo_size_budget():
 def test_few_training_steps_lower_the_loss(tmp_path):
     lines: list[str] = []
     cfg = TrainConfig(
-        steps=30,
-        tokens_per_step=1024,
+        steps=50,
+        tokens_per_step=512,
         eval_every=10_000,
-        ckpt_every=30,
+        ckpt_every=50,
         export_every=10_000,
         eval_n=2,
         warmup=5,

@@ -31,13 +31,26 @@ class Curriculum:
     answer_weight: float = 3.0
     copy_weight: float = 1.0
     row_lens: tuple[tuple[int, int], ...] = ((0, 256), (1500, 512), (3000, 1024))  # (from step, tokens)
+    # Every long_every-th step (from long_from) is a long step: 1024-token rows of long documents, so
+    # lookups keep working across ~1000-token contexts (needle, multi-key) and absolute positions train.
+    long_every: int = 4
+    long_from: int = 300
+    long_entities: tuple[int, int] = (10, 30)
+
+    def is_long(self, step: int) -> bool:
+        """Whether this step trains on long documents."""
+        return step >= self.long_from and step % self.long_every == self.long_every - 1
 
     def row_len(self, step: int) -> int:
         """Packed row length at this step (longer rows once documents are longer)."""
+        if self.is_long(step):
+            return 1024
         return [n for s, n in self.row_lens if step >= s][-1]
 
     def n_entities(self, step: int, rng: random.Random) -> int:
         """Entities in a document at this step (uniform up to the current cap)."""
+        if self.is_long(step):
+            return rng.randint(*self.long_entities)
         cap = min(self.entities_max, self.entities_start + step // self.grow_every)
         return rng.randint(self.entities_start, cap)
 
@@ -68,9 +81,12 @@ def repeat_sample(rng: random.Random, n_entities: int, facts_per_entity: int) ->
 def _sample(rng: random.Random, step: int, cur: Curriculum) -> tuple[str, list[tuple[int, int]], int]:
     n_ent = cur.n_entities(step, rng)
     fpe = rng.randint(1, cur.max_facts_per_entity)
-    if rng.random() < cur.repeat_share:
-        return (*repeat_sample(rng, n_ent, min(fpe, 2)), ROLE_COPY)
-    return (*qa_sample(rng, n_ent, fpe, rng.randint(3, 6)), ROLE_ANSWER)
+    long = cur.is_long(step)
+    if rng.random() < (cur.repeat_share / 2 if long else cur.repeat_share):
+        # Long repeat documents are halved so that document + copy fit one 1024-token row.
+        return (*repeat_sample(rng, n_ent // 2 if long else n_ent, min(fpe, 2)), ROLE_COPY)
+    n_q = rng.randint(6, 12) if long else rng.randint(3, 6)
+    return (*qa_sample(rng, n_ent, fpe, n_q), ROLE_ANSWER)
 
 
 def _encode(tokenizer, text: str, spans: list[tuple[int, int]], role: int) -> tuple[list[int], list[int]]:
