@@ -103,6 +103,7 @@ def quick_eval(
     n_entities: int = 3,
     facts_per_entity: int = 2,
     long_tokens: int | None = None,
+    multikey: bool = False,
 ) -> dict:
     """Run the quick measurements on fresh held-out data (``split="eval"``: unseen names and values).
 
@@ -114,6 +115,7 @@ def quick_eval(
         n_entities: Entities per QA document.
         facts_per_entity: Facts per entity.
         long_tokens: If set, also run the needle task at about this many tokens of context.
+        multikey: With ``long_tokens``, also run the multi-key task.
 
     Returns:
         ``{"qa_forward": ..., "qa_inverted": ..., "closed": ..., "repeat": ..., ["needle": ...]}`` with
@@ -129,11 +131,9 @@ def quick_eval(
         "repeat": repeat_metrics(model, tokenizer, synth_dataset("repeat", n, seed + 3, **kw)),
     }
     if long_tokens:
-        res["needle"] = qa_metrics(
-            model,
-            tokenizer,
-            synth_dataset("needle", max(n // 2, 1), seed + 4, context_tokens=long_tokens, tokenizer=tokenizer),
-        )
+        for i, task in enumerate(("needle", "multikey")[: 2 if multikey else 1]):
+            rows = synth_dataset(task, max(n // 2, 1), seed + 4 + i, context_tokens=long_tokens, tokenizer=tokenizer)
+            res[task] = qa_metrics(model, tokenizer, rows)
     model.train(was_training)
     return res
 
@@ -141,7 +141,7 @@ def quick_eval(
 def summary_line(res: dict) -> str:
     """One log line of the headline numbers."""
     parts = []
-    for key in ("qa_forward", "qa_inverted", "needle"):
+    for key in ("qa_forward", "qa_inverted", "needle", "multikey"):
         if key in res:
             r = res[key]
             parts.append(
@@ -157,4 +157,73 @@ def summary_line(res: dict) -> str:
     return " | ".join(parts) + "  (direct/none)"
 
 
-__all__ = ["quick_eval", "qa_metrics", "closed_metrics", "repeat_metrics", "continuation_stats", "summary_line"]
+def table(results: dict[str, dict]) -> str:
+    """A markdown table of quick_eval results, one row per model (direct / none)."""
+    head = (
+        "| model | steps | repeat tok acc | QA fwd EM | QA fwd NLL | QA inv EM | closed acc | needle EM | "
+        "multikey EM |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for name, r in results.items():
+
+        def pair(task: str, key: str, r: dict = r) -> str:
+            if task not in r:
+                return "-"
+            return f"{r[task]['direct'][key]:.2f} / {r[task]['none'][key]:.2f}"
+
+        rows.append(
+            f"| {name} | {r.get('steps', '-')} | {pair('repeat', 'token_accuracy')} | "
+            f"{pair('qa_forward', 'exact_match')} | {pair('qa_forward', 'nll')} | "
+            f"{pair('qa_inverted', 'exact_match')} | {pair('closed', 'accuracy')} | "
+            f"{pair('needle', 'exact_match')} | {pair('multikey', 'exact_match')} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m mot_cag.zoo.quick_eval [NAME_OR_DIR ...] [--n N] [--seed S] [--long-tokens T] [--json F]``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mot_cag.zoo.models import ZOO, model_dir
+
+    ap = argparse.ArgumentParser(description="Quick held-out evaluation of zoo models (direct / none).")
+    ap.add_argument("models", nargs="*", default=list(ZOO))
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=9001)
+    ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    results = {}
+    for name in a.models:
+        folder = model_dir(name) if name in ZOO else Path(name)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder).float().eval()
+        res = quick_eval(model, tok, n=a.n, seed=a.seed, long_tokens=a.long_tokens, multikey=True)
+        card = folder / "card.json"
+        res["steps"] = json.loads(card.read_text())["steps"] if card.exists() else None
+        results[name] = res
+        print(name, summary_line(res), flush=True)
+    print(table(results))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = [
+    "quick_eval",
+    "qa_metrics",
+    "closed_metrics",
+    "repeat_metrics",
+    "continuation_stats",
+    "summary_line",
+    "table",
+]
