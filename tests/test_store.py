@@ -169,3 +169,22 @@ def test_one_read_loader_matches_safetensors_and_rejects_damage(tmp_path):
     path.write_bytes(raw[:8] + b"X" + raw[9:])  # header no longer JSON
     with pytest.raises(StoreError, match="damaged"):
         read_chunk_tensors(path)
+
+
+def test_encode_chunk_matches_save_chunk(tmp_path):
+    import torch
+
+    from mot_cag.models.cache import KVChunk
+    from mot_cag.models.layout import KVLayout
+    from mot_cag.store.chunkfile import encode_chunk, save_chunk, tensor_checksum
+
+    layout = KVLayout("opt", "opt", 3, 2, 2, 16, 32, "absolute", 2, 256)
+    kv = KVChunk(torch.randn(3, 2, 7, 16), torch.randn(3, 2, 7, 16), 0)
+    data, meta = encode_chunk(kv, layout, metadata={"doc": "a.txt"})
+    saved = save_chunk(tmp_path / "c.safetensors", kv, layout, metadata={"doc": "a.txt"})
+    # Same tensors and metadata (safetensors orders metadata keys arbitrarily, so bytes may differ).
+    from safetensors.torch import load
+
+    a, b = load(data), load((tmp_path / "c.safetensors").read_bytes())
+    assert meta == saved and all(torch.equal(a[k], b[k]) for k in ("keys", "values"))
+    assert meta["checksum"] == tensor_checksum(kv.keys.half(), kv.values.half())
