@@ -332,3 +332,14 @@ def test_default_embedder_store_retrieves_offline(tiny_dir, tmp_path, monkeypatc
         assert st.config.embedder == "all-MiniLM-L6-v2" and st.config.embed_dim == 384
         assert st.search("Which job does Jorin Vastel have?", k=1)[0].doc.endswith("jorin.md")
         assert st.search("Which job does Jorin Vastel have?", k=1, lexical_weight=0.0)[0].doc.endswith("jorin.md")
+
+
+def test_open_reader_sees_chunks_ingested_later(store, tmp_path):
+    with Store.open(store) as reader:
+        assert not any("Anwick" in h.text for h in reader.search("Pell Anwick smith", k=3))
+        docs = tmp_path / "new"
+        docs.mkdir()
+        (docs / "pell.txt").write_text("Pell Anwick was born in Sorrow Ford. Pell Anwick is a smith.\n")
+        ingest([docs], store)
+        hits = reader.search("Pell Anwick smith", k=3)
+        assert hits[0].doc.endswith("pell.txt") and len({h.key for h in hits}) == len(hits)

@@ -188,3 +188,10 @@ def test_encode_chunk_matches_save_chunk(tmp_path):
     a, b = load(data), load((tmp_path / "c.safetensors").read_bytes())
     assert meta == saved and all(torch.equal(a[k], b[k]) for k in ("keys", "values"))
     assert meta["checksum"] == tensor_checksum(kv.keys.half(), kv.values.half())
+
+
+def test_vector_index_ignores_ids_it_holds():
+    vecs = np.eye(4, dtype=np.float32)
+    index = VectorIndex.build(4, np.arange(3), vecs[:3])
+    index.add([1, 3], vecs[[1, 3]])  # 1 again (an embedding computed twice after a crash), 3 new
+    assert len(index) == 4 and [i for i, _ in index.search(vecs[1], 4)].count(1) == 1

@@ -39,6 +39,8 @@ class VectorIndex:
         self.dim = dim
         self.index = index if index is not None else faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self._gpu: faiss.Index | None = None
+        # Ids held, mirrored in Python: faiss would happily store one id twice, and duplicate hits are wrong.
+        self._ids: set[int] = set(faiss.vector_to_array(self.index.id_map).tolist())
 
     @classmethod
     def build(cls, dim: int, ids: np.ndarray, vecs: np.ndarray, nprobe: int = 16) -> VectorIndex:
@@ -74,21 +76,25 @@ class VectorIndex:
 
     def ids(self) -> np.ndarray:
         """Chunk ids held, ``[n]`` int64."""
-        return faiss.vector_to_array(self.index.id_map).astype(np.int64)
+        return np.fromiter(self._ids, dtype=np.int64, count=len(self._ids))
 
     def add(self, ids: Sequence[int] | np.ndarray, vecs: np.ndarray) -> None:
-        """Add vectors (``[n, dim]``) under ``ids``."""
-        if len(ids) == 0:
+        """Add vectors (``[n, dim]``) under ``ids``; ids already held are left as they are."""
+        ids = np.asarray(ids, dtype=np.int64)
+        new = np.array([i not in self._ids for i in ids.tolist()], dtype=bool)
+        if not new.any():
             return
-        self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32),
-                                np.asarray(ids, dtype=np.int64))
+        self.index.add_with_ids(np.ascontiguousarray(np.asarray(vecs)[new], dtype=np.float32), ids[new])
+        self._ids.update(ids[new].tolist())
         self._gpu = None
 
     def remove(self, ids: Sequence[int] | np.ndarray) -> None:
         """Remove vectors by id (missing ids are ignored)."""
-        if len(ids) == 0:
+        ids = [i for i in np.asarray(ids, dtype=np.int64).tolist() if i in self._ids]
+        if not ids:
             return
         self.index.remove_ids(np.asarray(ids, dtype=np.int64))
+        self._ids.difference_update(ids)
         self._gpu = None
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:

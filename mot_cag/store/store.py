@@ -303,6 +303,7 @@ class Store:
         self.manifest = manifest
         self._embedder = embedder
         self._index: VectorIndex | None = None
+        self._index_state: tuple[int, int] | None = None
         self._bm25: tuple[int, BM25] | None = None
 
     # ---------------------------------------------------------------------------------------- opening
@@ -479,10 +480,16 @@ class Store:
 
     @property
     def index(self) -> VectorIndex:
-        """The vector index, loaded from disk and brought in line with the manifest (in memory)."""
-        if self._index is None:
-            self._index = self._load_index()
+        """The vector index, loaded from disk and kept in line with the manifest (in memory).
+
+        A long-lived reader sees chunks another process ingests after it opened the store: when the manifest's
+        chunk count or newest id changes, the in-memory index is brought up to date first.
+        """
+        state = self.manifest.db.execute("SELECT COUNT(*), COALESCE(MAX(id), 0) FROM chunks").fetchone()
+        if self._index is None or state != self._index_state:
             self.sync_index(write=False)
+            self._index_state = state
+        assert self._index is not None
         return self._index
 
     def _load_index(self) -> VectorIndex:
