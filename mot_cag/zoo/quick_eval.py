@@ -2,9 +2,9 @@
 
 Not the product's ``mot-cag eval`` (built separately); this is the recipe's own tape measure:
 
-* extractive exact match with the cue prompt, computed teacher-forced: the continuation ``" {value}."`` is
-  an exact greedy prediction iff every one of its tokens is the argmax (greedy decoding would reproduce
-  exactly that text and stop at the period), so one forward pass replaces generation;
+* extractive exact match with the cue prompt, computed teacher-forced: ``" {value}"`` is an exact greedy
+  prediction iff every one of its tokens is the argmax and the next argmax ends the answer (``.``, ``.\n``
+  or a newline), so one forward pass replaces generation;
 * mean NLL per token of ``" {value}"`` with and without the document;
 * closed-set accuracy by the likelihood of ``" {option}."`` after the cue;
 * repeat-task teacher-forced top-1 token accuracy (first token excluded), with and without the document.
@@ -23,41 +23,49 @@ def _prompt(ex: dict, with_context: bool) -> str:
 
 
 @torch.no_grad()
-def continuation_stats(
-    model, tokenizer, prompt: str, continuation: str, n_score: int | None = None
-) -> tuple[float, int, bool, int]:
-    """Score a continuation after a prompt.
+def continuation_stats(model, tokenizer, prompt: str, continuation: str) -> tuple[float, int, bool, str]:
+    """Score a continuation after a prompt (teacher-forced).
 
     Args:
         model: A causal LM (eval mode).
         tokenizer: Its tokenizer.
         prompt: Text before the continuation (special tokens such as OPT's BOS are added to it).
         continuation: Text to score (no special tokens).
-        n_score: Score only the first ``n_score`` continuation tokens for the NLL (``None``: all).
 
     Returns:
-        ``(sum_nll, n_tokens, all_argmax_correct, n_correct)`` over the continuation tokens.
+        ``(sum_nll, n_tokens, all_argmax_correct, next_text)``: NLL summed over the continuation tokens,
+        their count, whether each was the argmax, and the decoded argmax token that would follow them.
     """
     p = tokenizer(prompt)["input_ids"]
     c = tokenizer(continuation, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([p + c], device=model.device)
-    logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # predictions for each continuation token
+    logits = model(input_ids=ids).logits[0, len(p) - 1 :].float()  # predictions for each continuation token + 1
     target = ids[0, len(p) :]
-    logp = torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
-    k = len(c) if n_score is None else n_score
-    correct = logits.argmax(-1) == target
-    return float(-logp[:k].sum()), k, bool(correct.all()), int(correct.sum())
+    logp = torch.log_softmax(logits[:-1], -1).gather(1, target[:, None])[:, 0]
+    correct = logits[:-1].argmax(-1) == target
+    next_text = tokenizer.decode([int(logits[-1].argmax())])
+    return float(-logp.sum()), len(c), bool(correct.all()), next_text
+
+
+def _ends_answer(next_text: str, eos: str | None) -> bool:
+    # The spec's prediction ends at "." followed by a space or line end, or at a newline; tokenizers that
+    # merge ".\n" (Qwen2-style) end the value with that single token.
+    return next_text.startswith(("\n", ".")) or (eos is not None and next_text == eos)
 
 
 def qa_metrics(model, tokenizer, examples: list[dict]) -> dict:
-    """Exact match and answer NLL with and without the document (extractive examples with a cue)."""
+    """Exact match and answer NLL with and without the document (extractive examples with a cue).
+
+    Exact match: every token of ``" {answer}"`` is the argmax and the argmax after it ends the answer
+    (``.``, ``.\n`` or a newline), which is what greedy decoding with the spec's stop rule would return.
+    NLL: mean per token of ``" {answer}"``.
+    """
     out = {}
     for mode, with_ctx in (("direct", True), ("none", False)):
         em, nll, ntok = 0, 0.0, 0
         for ex in examples:
-            n_val = len(tokenizer(" " + ex["answer"], add_special_tokens=False)["input_ids"])
-            s, k, ok, _ = continuation_stats(model, tokenizer, _prompt(ex, with_ctx), f" {ex['answer']}.", n_val)
-            em += ok
+            s, k, ok, nxt = continuation_stats(model, tokenizer, _prompt(ex, with_ctx), f" {ex['answer']}")
+            em += ok and _ends_answer(nxt, tokenizer.eos_token)
             nll += s
             ntok += k
         out[mode] = {"exact_match": em / len(examples), "nll": nll / max(ntok, 1)}
