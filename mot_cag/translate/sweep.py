@@ -79,7 +79,7 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    """Bar chart of kl_benefit per pair and variant (direct, and replay where only replay exists)."""
+    """kl_benefit per pair and variant, one panel per injection mode (PNG); ``False`` without matplotlib."""
     try:
         import matplotlib
 
@@ -89,22 +89,23 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     pairs = sorted({(Path(r["source"]).name, Path(r["target"]).name) for r in rows})
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(pairs) * max(1, len(variants)) / 3), 4))
     width = 0.8 / max(1, len(variants))
-    for i, v in enumerate(variants):
-        vals = []
-        for s, t in pairs:
-            r = next((r for r in rows if r["variant"] == v and Path(r["source"]).name == s
-                      and Path(r["target"]).name == t), None)
-            ev = (r.get("direct") or r.get("replay") or {}) if r else {}
-            vals.append(ev.get("kl_benefit") or 0.0)
-        ax.bar([j + i * width for j in range(len(pairs))], vals, width, label=v)
-    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(pairs))], [f"{s}→{t}" for s, t in pairs],
-                  rotation=20)
-    ax.axhline(0.9, color="gray", linestyle="--", linewidth=0.8)
-    ax.set_ylabel("kl_benefit (held-out)")
-    ax.set_ylim(min(0.0, ax.get_ylim()[0]), 1.0)
-    ax.legend(fontsize=7, ncol=3)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(pairs) + 4), 4), sharey=True)
+    for ax, mode in zip(axes, ("direct", "replay"), strict=True):
+        for i, v in enumerate(variants):
+            vals = []
+            for s, t in pairs:
+                r = next((r for r in rows if r["variant"] == v and Path(r["source"]).name == s
+                          and Path(r["target"]).name == t), None)
+                vals.append(((r or {}).get(mode) or {}).get("kl_benefit") or 0.0)
+            ax.bar([j + i * width for j in range(len(pairs))], vals, width, label=v)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(pairs))],
+                      [f"{s}→{t}" for s, t in pairs], rotation=20, fontsize=8)
+        ax.axhline(0.9, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{mode} injection")
+        ax.set_ylim(0.0, 1.0)
+    axes[0].set_ylabel("kl_benefit (held-out)")
+    axes[1].legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -113,7 +114,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Translator results table and injection sweep.")
-    ap.add_argument("--models", nargs="+", required=True)
+    ap.add_argument("--models", nargs="+", default=[])
     ap.add_argument("--pairs", nargs="*", help="Ordered pairs as SOURCE:TARGET (default: all ordered pairs).")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--sweep-pair", help="SOURCE:TARGET for the early-vs-late sweep (one window per layer).")
@@ -122,7 +123,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", required=True, help="Output folder: results.json, results.md, results.png.")
+    ap.add_argument("--replot", action="store_true", help="Only redraw results.md/png from results.json.")
     args = ap.parse_args()
+    if args.replot:
+        rows = json.loads((Path(args.out) / "results.json").read_text())
+        (Path(args.out) / "results.md").write_text(to_markdown(rows))
+        plot(rows, Path(args.out) / "results.png")
+        return
 
     from mot_cag.device import pick_device
     from mot_cag.models.registry import load_model
