@@ -137,7 +137,8 @@ def test_identity_translator_reproduces_native_answers(tiny_models, fam, expert)
     native = prefill(m.model, al.tgt_ids)
     native_logits, _ = forward(m.model, cont, native)
     for mode in ("direct", "replay"):
-        tr = build_translator(m, m, mode=mode, expert=expert, experts=4, top_k=2, hidden=16, heads=2)
+        tr = build_translator(m, m, mode=mode, expert=expert, experts=4, top_k=2, hidden=16, heads=2,
+                              prev_token=mode == "replay")
         with torch.no_grad():
             ctx = translate(tr, native, al.W, m, al.tgt_ids)
             logits, _ = forward(m.model, cont, ctx)
@@ -223,13 +224,19 @@ def test_wrong_pair_is_refused(tiny_models, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------- ridge, train
 
 
-def test_ridge_baseline_same_model_is_near_exact(tiny_models):
-    from mot_cag.translate.ridge import fit_ridge_translator
+@pytest.mark.parametrize("prev_token", [False, True])
+def test_ridge_baseline_same_model_is_near_exact(tiny_models, prev_token):
+    from mot_cag.translate.ridge import calibrate, fit_ridge_translator
 
     m = tiny_models["qwen2"]
     cfg = TrainConfig(max_context_tokens=96, calibration_tokens=600)
-    tr = fit_ridge_translator(m, m, example_stream(m, m, cfg), tokens=600, ridge_lambda=1e-6)
-    assert tr.config.kind == "ridge" and tr.config.training["calibration"]["key_residual"] < 1e-3
+    if prev_token:  # the previous-token regressors must not disturb an exact fit
+        tr = build_translator(m, m, expert="linear", experts=1, top_k=1, prev_token=True, kind="ridge").eval()
+        summary = calibrate(tr, example_stream(m, m, cfg), 600, fit=True, ridge_lambda=1e-6)
+    else:
+        tr = fit_ridge_translator(m, m, example_stream(m, m, cfg), tokens=600, ridge_lambda=1e-6)
+        summary = tr.config.training["calibration"]
+    assert tr.config.kind == "ridge" and summary["key_residual"] < 1e-3
     al = token_alignment(m.tokenizer, m.tokenizer, TEXT)
     native = prefill(m.model, al.tgt_ids)
     with torch.no_grad():

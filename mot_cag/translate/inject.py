@@ -127,8 +127,9 @@ def translate(
     tgt_ids = tgt_ids.view(-1)
     if W.shape[0] != tgt_ids.shape[0]:
         raise ValueError(f"alignment has {W.shape[0]} target rows but {tgt_ids.shape[0]} target ids were given")
-    keys, values = translated_window(translator, source_chunk, W, target_start)  # (n, H, T, D)
     native = leading_unaligned(W)
+    # Only rows with source text are translated; the translator sees the chunk from its first text token.
+    keys, values = translated_window(translator, source_chunk, W[native:], target_start + native)  # (n, H, T, D)
     if native:
         # Leading target-only tokens (OPT's </s>) attend only to themselves: the target's own KV is exact.
         with torch.no_grad():
@@ -136,8 +137,8 @@ def translate(
         idx = torch.tensor(cfg.layers.target_layers, device=head.keys.device)
         head_k = head.keys[idx].to(device=keys.device, dtype=keys.dtype)
         head_v = head.values[idx].to(device=keys.device, dtype=keys.dtype)
-        keys = torch.cat([head_k, keys[:, :, native:]], dim=2)  # (n, H, T, D)
-        values = torch.cat([head_v, values[:, :, native:]], dim=2)
+        keys = torch.cat([head_k, keys], dim=2)  # (n, H, T, D)
+        values = torch.cat([head_v, values], dim=2)
     if mode == "direct":
         return KVChunk(keys, values, target_start)
     lm = cfg.layers

@@ -39,20 +39,23 @@ def _target_rows(translator: Translator, ex) -> tuple[torch.Tensor, torch.Tensor
 
 @torch.no_grad()
 def collect(translator: Translator, examples: Iterable, tokens: int) -> dict[str, torch.Tensor]:
-    """Gather ``tokens`` aligned rows: ``xk, xv`` ``(n, N, W_src)``, ``yk, yv`` ``(n, N, W_tgt)``, ``pos`` ``(N,)``."""
-    parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": [], "pos": []}
+    """Gather ``tokens`` aligned rows: ``xk, xv`` ``(n, N, W_src)``, ``yk, yv`` ``(n, N, W_tgt)``, ``pos`` ``(N,)``
+    and ``first`` ``(N,)`` (first translated row of each example)."""
+    parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": [], "pos": [], "first": []}
     total = 0
     for ex in examples:
-        xk, xv = source_window(translator, ex.src_chunk, ex.W)
-        yk, yv = _target_rows(translator, ex)
         skip = leading_unaligned(ex.W)  # target-only tokens are computed natively, not translated
-        for name, x in (("xk", xk), ("xv", xv), ("yk", yk), ("yv", yv)):
-            parts[name].append(x[:, skip:].float().cpu())
+        xk, xv = source_window(translator, ex.src_chunk, ex.W[skip:])
+        yk, yv = _target_rows(translator, ex)
+        for name, x in (("xk", xk), ("xv", xv), ("yk", yk[:, skip:]), ("yv", yv[:, skip:])):
+            parts[name].append(x.float().cpu())
+        n = len(ex.tgt_ids) - skip
         parts["pos"].append(torch.arange(ex.start + skip, ex.start + len(ex.tgt_ids)))
-        total += len(ex.tgt_ids) - skip
+        parts["first"].append(torch.arange(n) == 0)  # where the previous-token features are zero
+        total += n
         if total >= tokens:
             break
-    return {k: torch.cat(v, dim=0 if k == "pos" else 1) for k, v in parts.items()}
+    return {k: torch.cat(v, dim=0 if k in ("pos", "first") else 1) for k, v in parts.items()}
 
 
 def _set_stats(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -65,7 +68,8 @@ def _set_stats(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor) -> N
         getattr(mix, f"{prefix}_std").copy_(std.to(mix.in_mean.device))
 
 
-def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.Tensor | None, lam: float) -> float:
+def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.Tensor | None, lam: float,
+         first: torch.Tensor) -> float:
     """Solve the per-layer ridge in normalised space and write it into every expert's linear part.
 
     Returns:
@@ -76,6 +80,11 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
     yn = ((y.to(dev) - mix.out_mean) / mix.out_std).double()  # (n, N, W_out)
     n, rows, w_in = xn.shape
     feats = [xn]
+    prev = mix.experts[0].prev is not None
+    if prev:
+        shifted = torch.roll(xn, 1, dims=1)  # previous row; zero where an example starts, as at inference
+        shifted[:, first.to(dev)] = 0.0
+        feats.append(shifted)
     if p is not None:
         feats.append(p.to(dev).double().expand(n, -1, -1))  # (n, N, P)
     feats.append(torch.ones(n, rows, 1, dtype=torch.float64, device=dev))
@@ -90,8 +99,11 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
     for expert in mix.experts:
         expert.linear.weight.data.copy_(sol[:, :w_in])
         expert.linear.bias.data.copy_(sol[:, -1:])
+        if prev:
+            expert.prev.weight.data.copy_(sol[:, w_in:2 * w_in])
         if expert.pos is not None and p is not None:
-            expert.pos.weight.data.copy_(sol[:, w_in:-1])
+            start = 2 * w_in if prev else w_in
+            expert.pos.weight.data.copy_(sol[:, start:-1])
     return resid
 
 
@@ -121,8 +133,8 @@ def calibrate(
         p = None
         if cfg.pos_features:
             p = position_features(data["pos"], cfg.pos_features, cfg.tgt.max_positions).unsqueeze(0)  # (1, N, P)
-        out["key_residual"] = _fit(translator.keys, data["xk"], data["yk"], p, ridge_lambda)
-        out["value_residual"] = _fit(translator.values, data["xv"], data["yv"], p, ridge_lambda)
+        out["key_residual"] = _fit(translator.keys, data["xk"], data["yk"], p, ridge_lambda, data["first"])
+        out["value_residual"] = _fit(translator.values, data["xv"], data["yv"], p, ridge_lambda, data["first"])
     out["seconds"] = round(time.time() - t0, 2)
     return out
 
