@@ -248,6 +248,8 @@ class _Run:
             if self.lm.fingerprint != self.st.source.fingerprint:
                 raise StoreError(f"Source model '{self.src_name}' changed on disk while ingesting; run again.")
             self.chunker = Chunker(self.lm.tokenizer, self.chunk_tokens)
+            if self.progress is not None:
+                self.progress.update(-1, self.chunks_seen, self.result.tokens)  # throughput counts from here
         return self.lm
 
     def flush(self, final: bool = False) -> None:

@@ -19,7 +19,7 @@ class RichIngestProgress:
         self.enabled = enabled and console.is_terminal
         self.prog: Progress | None = None
         self.task = None
-        self.t0 = time.perf_counter()
+        self.first: tuple[float, int] | None = None
 
     def __enter__(self) -> RichIngestProgress:
         if self.enabled:
@@ -35,7 +35,6 @@ class RichIngestProgress:
 
     def begin(self, files: int) -> None:
         """See :class:`~mot_cag.ingest.IngestProgress`."""
-        self.t0 = time.perf_counter()
         if self.prog is not None:
             self.task = self.prog.add_task("ingest", total=files, chunks=0, rate="-")
 
@@ -43,7 +42,13 @@ class RichIngestProgress:
         """See :class:`~mot_cag.ingest.IngestProgress` (``files_done`` -1 leaves the file count alone)."""
         if self.prog is None or self.task is None:
             return
-        rate = f"{tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}"
+        now = time.perf_counter()
+        if self.first is None:
+            # Rate from the first update on (ingest sends one right after loading the model): loading the
+            # model and embedder is not throughput.
+            self.first = (now, tokens)
+        t_first, tok_first = self.first
+        rate = f"{(tokens - tok_first) / (now - t_first):,.0f}" if now > t_first and tokens > tok_first else "-"
         fields = {"chunks": chunks, "rate": rate}
         if files_done >= 0:
             fields["completed"] = files_done
