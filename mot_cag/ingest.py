@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -46,6 +46,9 @@ from mot_cag.store.store import (
     chunk_key,
 )
 
+if TYPE_CHECKING:
+    from mot_cag.models.registry import LoadedModel
+
 #: Source model used when neither the caller nor an existing store names one.
 DEFAULT_SOURCE = "qwen2-mini"
 
@@ -65,7 +68,20 @@ class IngestProgress(Protocol):
 
 @dataclass
 class IngestResult:
-    """What an ingest did; :meth:`to_json` is the ``mot-cag ingest --json`` record."""
+    """What an ingest did; :meth:`to_json` is the ``mot-cag ingest --json`` record.
+
+    Attributes:
+        store: Store folder.
+        source: The store's source model name.
+        documents: Documents of this run now in the store (changed, new and unchanged).
+        documents_unchanged: Of those, skipped because their content had not changed.
+        chunks_added: Chunk files written (prefilled) by this run.
+        chunks_skipped: Chunks of this run's documents already stored (unchanged documents, repeated text).
+        chunks_removed: Chunks deleted because only an old version of a changed document used them.
+        tokens: Source tokens over the chunks of this run's documents (repeats counted per occurrence).
+        seconds: Wall time.
+        skipped_files: Files not ingested and why.
+    """
 
     store: str
     source: str
@@ -156,8 +172,10 @@ def ingest(
     return result
 
 
-def _ingest_locked(files, skipped, root: Path, source, chunk_tokens, dtype, embedder, device, lock_timeout,
-                   progress, index_save_every_s) -> IngestResult:
+def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Path, source: str | None,
+                   chunk_tokens: int | None, dtype: str | None, embedder: str | None, device: torch.device | str,
+                   lock_timeout: float | None, progress: IngestProgress | None,
+                   index_save_every_s: float) -> IngestResult:
     """The part of :func:`ingest` that runs under the writer lock."""
     from mot_cag.models.layout import KVLayout
     from mot_cag.models.registry import fingerprint, load_config, load_model
@@ -228,8 +246,9 @@ class _Run:
     #: Committed chunks embedded together.
     EMBED_BATCH = 64
 
-    def __init__(self, st: Store, src_name: str, chunk_tokens: int, device, progress: IngestProgress | None,
-                 result: IngestResult, save_every: float, load_model):
+    def __init__(self, st: Store, src_name: str, chunk_tokens: int, device: torch.device | str,
+                 progress: IngestProgress | None, result: IngestResult, save_every: float,
+                 load_model: Callable[..., LoadedModel]):
         self.st, self.src_name, self.chunk_tokens, self.device = st, src_name, chunk_tokens, device
         self.progress, self.result, self.save_every, self._load_model = progress, result, save_every, load_model
         self.lm = None
