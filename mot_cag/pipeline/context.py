@@ -124,14 +124,22 @@ class DirectContext(ContextBuilder):
         return TargetContext(chunk, len(ids), {"prefill_s": time.perf_counter() - t0})
 
 
-class NativeChunksContext(ContextBuilder):
-    """The target's own caches of each piece, prefilled separately and joined."""
+class _JoinedChunks(ContextBuilder):
+    """Shared assembly of per-piece caches: BOS first, then each piece placed after the previous one.
 
-    mode = "native-chunks"
+    RoPE targets make each piece once at position 0 (cached by piece) and move it by rotation; absolute-position
+    targets make it where it will sit (cached by piece and position), since positions live in every layer.
+    Subclasses say how one piece's cache is made (:meth:`make`) and which timing it counts as.
+    """
+
+    timing = "prefill_s"
 
     def __init__(self, target: LoadedModel, cache: LRU | None = None):
         super().__init__(target)
         self.cache = cache if cache is not None else LRU()
+
+    def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def build(self, pieces: list[Piece]) -> TargetContext:
         t0 = time.perf_counter()
@@ -142,24 +150,31 @@ class NativeChunksContext(ContextBuilder):
             ids = self.piece_ids(p)
             if not ids:
                 continue
-            if rope:  # prefill once at 0, move by rotation
-                at0 = self.cache.get_or(p.cache_key, lambda ids=ids: kv.prefill(self.target.model,
-                                                                                 as_tensor(ids, self.device)))
+            if rope:
+                at0 = self.cache.get_or(p.cache_key, lambda p=p, ids=ids: self.make(p, ids, 0))
                 parts.append(self.positioner.reposition(at0, pos))
-            else:  # absolute positions live in K/V: prefill where the piece will sit
+            else:
                 key = (p.cache_key, pos)
-                parts.append(self.cache.get_or(key, lambda ids=ids, pos=pos: kv.prefill(
-                    self.target.model, as_tensor(ids, self.device), start=pos)))
+                parts.append(self.cache.get_or(key, lambda p=p, ids=ids, pos=pos: self.make(p, ids, pos)))
             pos += len(ids)
         chunk = kv.join(parts) if parts else None
-        return TargetContext(chunk, pos, {"prefill_s": time.perf_counter() - t0})
+        return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0})
+
+
+class NativeChunksContext(_JoinedChunks):
+    """The target's own caches of each piece, prefilled separately and joined."""
+
+    mode = "native-chunks"
+
+    def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
+        return kv.prefill(self.target.model, as_tensor(ids, self.device), start=start)
 
 
 TranslateFn = Callable[[Piece, int], kv.KVChunk]
 """Translate one piece into the target's cache space at a global start position."""
 
 
-class TranslatedContext(ContextBuilder):
+class TranslatedContext(_JoinedChunks):
     """Source caches of each piece translated into the target's cache space and joined.
 
     Args:
@@ -170,29 +185,14 @@ class TranslatedContext(ContextBuilder):
     """
 
     mode = "translated"
+    timing = "translate_s"
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None):
-        super().__init__(target)
+        super().__init__(target, cache)
         self.translate_piece = translate_piece
-        self.cache = cache if cache is not None else LRU()
 
-    def build(self, pieces: list[Piece]) -> TargetContext:
-        t0 = time.perf_counter()
-        parts = [c for c in [self._bos_chunk()] if c is not None]
-        pos = len(self.bos)
-        rope = self.target.layout.positions == "rope"
-        for p in pieces:
-            n = len(self.piece_ids(p))
-            if n == 0:
-                continue
-            if rope:
-                at0 = self.cache.get_or(p.cache_key, lambda p=p: self.translate_piece(p, 0))
-                parts.append(self.positioner.reposition(at0, pos))
-            else:
-                parts.append(self.cache.get_or((p.cache_key, pos), lambda p=p, pos=pos: self.translate_piece(p, pos)))
-            pos += n
-        chunk = kv.join(parts) if parts else None
-        return TargetContext(chunk, pos, {"translate_s": time.perf_counter() - t0})
+    def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
+        return self.translate_piece(piece, start)
 
 
 def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bool:
