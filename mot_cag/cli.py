@@ -252,10 +252,9 @@ def train_cmd(
                        experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
                        window_width=window_width, eval_examples=eval_examples, device=device, half=half, train=cfg)
 
-    def log(r: dict) -> None:
-        if not as_json:
-            err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "
-                      f"kl {r['kl']:.5f}) lr {r['lr']:.2e} {r['seconds']}s", highlight=False)
+    def log(r: dict) -> None:  # progress goes to stderr, so --json output on stdout stays clean
+        err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "
+                  f"kl {r['kl']:.5f}) lr {r['lr']:.2e} {r['seconds']}s", highlight=False)
 
     result = run_training(req, log=log)
     if as_json:
