@@ -229,6 +229,9 @@ def train_cmd(
     hidden: Annotated[int, typer.Option(help="Expert hidden width.")] = 128,
     window_start: Annotated[int | None, typer.Option(help="First injected target layer (replay).")] = None,
     window_width: Annotated[int | None, typer.Option(help="Injected layers (replay).")] = None,
+    token_features: Annotated[bool, typer.Option(
+        "--token-features", help="Feed the target's token embeddings to the experts (direct injection).")] = False,
+    prev_tokens: Annotated[int, typer.Option(help="Previous tokens whose features the experts also read.")] = 0,
     batch: Annotated[int, typer.Option(help="Examples per step.")] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
     ce: Annotated[float, typer.Option(help="Weight of the prompt-LM cross-entropy (paper: 1).")] = 0.0,
@@ -250,7 +253,8 @@ def train_cmd(
         raise MotCagError(str(e)) from None
     req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,
                        experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
-                       window_width=window_width, eval_examples=eval_examples, device=device, half=half, train=cfg)
+                       window_width=window_width, token_features=token_features, prev_token=prev_tokens,
+                       eval_examples=eval_examples, device=device, half=half, train=cfg)
 
     def log(r: dict) -> None:  # progress goes to stderr, so --json output on stdout stays clean
         err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "

@@ -65,10 +65,27 @@ def source_window(translator: Translator, chunk: KVChunk, W: torch.Tensor) -> tu
     return torch.einsum("us,nsw->nuw", W, flat_k), torch.einsum("us,nsw->nuw", W, flat_v)  # (n, T_tgt, W_src)
 
 
+def target_embeddings(translator: Translator, model, tgt_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``(T, E)`` target input embeddings of ``tgt_ids`` when the translator reads them, else ``None``."""
+    if not translator.config.token_features or tgt_ids is None or model is None:
+        return None
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        return emb(tgt_ids.view(-1).to(emb.weight.device))
+
+
 def translated_window(
-    translator: Translator, chunk: KVChunk, W: torch.Tensor, target_start: int = 0
+    translator: Translator, chunk: KVChunk, W: torch.Tensor, target_start: int = 0,
+    embeddings: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Translated K/V of the translator's target layers, keys rotated to ``target_start + i`` (RoPE targets).
+
+    Args:
+        translator: The translator.
+        chunk: Source chunk.
+        W: ``[T_tgt, T_src]`` alignment (rows to translate).
+        target_start: Position of the first row.
+        embeddings: ``(T_tgt, E)`` target embeddings of those rows (translators with ``token_features``).
 
     Returns:
         ``(keys, values)``, each ``(n, H_tgt, T_tgt, D_tgt)``.
@@ -76,7 +93,7 @@ def translated_window(
     tgt = translator.config.tgt
     xk, xv = source_window(translator, chunk, W)
     positions = torch.arange(target_start, target_start + W.shape[0], device=xk.device)
-    yk, yv = translator(xk, xv, positions)  # (n, T, H_tgt*D_tgt)
+    yk, yv = translator(xk, xv, positions, embeddings)  # (n, T, H_tgt*D_tgt)
     n, t, _ = yk.shape
     keys = yk.view(n, t, tgt.kv_heads, tgt.head_dim).permute(0, 2, 1, 3)  # (n, H, T, D)
     values = yv.view(n, t, tgt.kv_heads, tgt.head_dim).permute(0, 2, 1, 3)
@@ -129,7 +146,8 @@ def translate(
         raise ValueError(f"alignment has {W.shape[0]} target rows but {tgt_ids.shape[0]} target ids were given")
     native = leading_unaligned(W)
     # Only rows with source text are translated; the translator sees the chunk from its first text token.
-    keys, values = translated_window(translator, source_chunk, W[native:], target_start + native)  # (n, H, T, D)
+    emb = target_embeddings(translator, model, tgt_ids[native:])
+    keys, values = translated_window(translator, source_chunk, W[native:], target_start + native, emb)  # (n,H,T,D)
     if native:
         # Leading target-only tokens (OPT's </s>) attend only to themselves: the target's own KV is exact.
         with torch.no_grad():

@@ -56,8 +56,12 @@ class TranslatorConfig:
         hidden: Expert hidden width.
         heads: Attention heads of ``attn`` experts.
         pos_features: Sinusoidal target-position features (0 for RoPE targets, which get rotated keys).
-        prev_token: Experts' linear part also reads the previous token's source K/V (zero for a chunk's first
-            token), which target layers above a previous-token head depend on.
+        prev_token: How many previous tokens' source K/V the experts' linear part also reads (zeros before a
+            chunk's first token): target layers above previous-token heads depend on them. ``True`` means 1.
+        token_features: Width of the target's input embeddings fed to the experts beside the source K/V (0:
+            off). Direct injection knows the target's token ids; their embeddings (a table lookup, the target
+            never runs) give the token identity the target's own layers key on; with ``prev_token`` the
+            previous tokens' embeddings are added too.
         source_fingerprint: Weights+tokenizer fingerprint of the source (``registry.fingerprint``).
         target_fingerprint: Same for the target.
         source_tokenizer: Tokenizer fingerprint of the source (``alignment.tokenizer_fingerprint``).
@@ -79,7 +83,8 @@ class TranslatorConfig:
     hidden: int = 128
     heads: int = 4
     pos_features: int = 0
-    prev_token: bool = False
+    prev_token: int = 0
+    token_features: int = 0
     source_fingerprint: str = ""
     target_fingerprint: str = ""
     source_tokenizer: str = ""
@@ -108,6 +113,11 @@ class TranslatorConfig:
     def tgt(self) -> KVLayout:
         """Target layout."""
         return KVLayout.from_dict(self.target_layout)
+
+    @property
+    def side_features(self) -> int:
+        """Width of the per-token side features ``p``: positions, then target embeddings (and previous)."""
+        return self.pos_features + self.token_features * (1 + int(self.prev_token))
 
     @property
     def layers(self) -> LayerMap:
@@ -176,20 +186,27 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def shift_tokens(x: torch.Tensor) -> torch.Tensor:
-    """``(n, T, W)`` -> the previous token's rows, zeros for the first token."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+def shift_tokens(x: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """``(n, T, W)`` -> the rows ``k`` tokens back, zeros before the first token."""
+    k = min(k, x.shape[1])
+    return torch.cat([torch.zeros_like(x[:, :k]), x[:, : x.shape[1] - k]], dim=1)
+
+
+def previous_tokens(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``(n, T, W)`` -> ``(n, T, count * W)``: the rows 1..count tokens back, concatenated."""
+    return torch.cat([shift_tokens(x, k) for k in range(1, count + 1)], dim=-1)
 
 
 class Expert(nn.Module):
     """One translator: ``(n, T, W_in)`` (+ positions ``(T, P)``) -> ``(n, T, W_out)``."""
 
     def __init__(self, kind: ExpertKind, n: int, d_in: int, d_out: int, hidden: int, heads: int, pos: int,
-                 prev_token: bool = False):
+                 prev_token: int = 0):
         super().__init__()
         self.kind = kind
         self.linear = _PerLayerLinear(n, d_in, d_out, init="eye")
-        self.prev = _PerLayerLinear(n, d_in, d_out, init="zero", bias=False) if prev_token else None
+        self.prev_count = int(prev_token)
+        self.prev = _PerLayerLinear(n, self.prev_count * d_in, d_out, init="zero", bias=False) if prev_token else None
         self.pos = _PerLayerLinear(n, pos, d_out, init="zero") if pos else None
         if kind == "linear":
             return
@@ -207,7 +224,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         y = self.linear(x)  # (n, T, out)
         if self.prev is not None:
-            y = y + self.prev(shift_tokens(x))
+            y = y + self.prev(previous_tokens(x, self.prev_count))
         if self.pos is not None and p is not None:
             y = y + self.pos(p.expand(x.shape[0], -1, -1))
         if self.kind == "linear":
@@ -236,7 +253,7 @@ class MixtureOfTranslators(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
         self.experts = nn.ModuleList(
-            Expert(cfg.expert, n, d_in, d_out, cfg.hidden, cfg.heads, cfg.pos_features, cfg.prev_token)
+            Expert(cfg.expert, n, d_in, d_out, cfg.hidden, cfg.heads, cfg.side_features, cfg.prev_token)
             for _ in range(cfg.experts)
         )
         self.router = None
@@ -319,6 +336,9 @@ class Translator(nn.Module):
         # RoPE frequencies travel with the weights: at translation time the source model is not loaded.
         self.register_buffer("src_inv_freq", _default_inv_freq(src))
         self.register_buffer("tgt_inv_freq", _default_inv_freq(tgt))
+        # Target-embedding normalisation (calibrated with the rest); (1, E).
+        self.register_buffer("emb_mean", torch.zeros(1, config.token_features))
+        self.register_buffer("emb_std", torch.ones(1, config.token_features))
 
     @property
     def device(self) -> torch.device:
@@ -330,8 +350,30 @@ class Translator(nn.Module):
         """Dtype of the weights."""
         return next(self.parameters()).dtype
 
+    def side(self, positions: torch.Tensor | None, embeddings: torch.Tensor | None,
+             device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """Per-token side features ``(1, T, P)``: position features, normalised target embeddings (and the
+        previous token's), or ``None`` when the config uses neither."""
+        cfg = self.config
+        parts = []
+        if cfg.pos_features:
+            if positions is None:
+                raise ValueError("this translator needs the target positions")
+            parts.append(position_features(positions.cpu(), cfg.pos_features, cfg.tgt.max_positions).to(device))
+        if cfg.token_features:
+            if embeddings is None:
+                raise ValueError("this translator needs the target's token embeddings (pass the target model)")
+            e = (embeddings.to(device=device, dtype=dtype) - self.emb_mean) / self.emb_std  # (T, E)
+            parts.append(e)
+            if cfg.prev_token:
+                parts.append(previous_tokens(e.unsqueeze(0), int(cfg.prev_token))[0])
+        if not parts:
+            return None
+        return torch.cat(parts, dim=-1).to(dtype).unsqueeze(0)  # (1, T, P)
+
     def forward(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Translate aligned source windows.
 
@@ -339,14 +381,12 @@ class Translator(nn.Module):
             keys: ``(n, T, W_src)`` un-rotated source keys on the target token grid.
             values: ``(n, T, W_src)``.
             positions: ``[T]`` target positions (used when the target has absolute positions).
+            embeddings: ``(T, E)`` target input embeddings of the target tokens (when ``token_features``).
 
         Returns:
             ``(keys, values)``, each ``(n, T, W_tgt)``; keys un-rotated for RoPE targets.
         """
-        p = None
-        if self.config.pos_features and positions is not None:
-            p = position_features(positions, self.config.pos_features, self.config.tgt.max_positions)
-            p = p.to(device=keys.device, dtype=keys.dtype).unsqueeze(0)  # (1, T, P)
+        p = self.side(positions, embeddings, keys.device, keys.dtype)
         return self.keys(keys, p), self.values(values, p)
 
     def balance(self) -> dict[str, float]:
@@ -376,7 +416,8 @@ def build_translator(
     window_start: int | None = None,
     window_width: int | None = None,
     pos_features: int | None = None,
-    prev_token: bool = False,
+    prev_token: int = 0,
+    token_features: bool = False,
     kind: str | None = None,
 ) -> Translator:
     """A fresh (identity-initialised) translator for two loaded models.
@@ -393,8 +434,8 @@ def build_translator(
         window_start: First injected target layer in replay (default: top-aligned window).
         window_width: Replay window width (default: 30% of the shallower depth).
         pos_features: Position features (default 32 for absolute-position targets, 0 for RoPE).
-        prev_token: Let the linear part read the previous token's source K/V too (measured on gpt2-mini ->
-            qwen2-mini: ridge residual 0.34 -> 0.29 but direct kl_benefit 0.827 -> 0.818, so off by default).
+        prev_token: Previous tokens the linear part also reads (0: none).
+        token_features: Feed the target's token embeddings to the experts (see :class:`TranslatorConfig`).
         kind: Label for listings (default ``mot`` when K > 1 else ``single``).
     """
     from mot_cag.translate.alignment import tokenizer_fingerprint
@@ -406,7 +447,8 @@ def build_translator(
         source=source.name, target=target.name,
         source_layout=source.layout.to_dict(), target_layout=target.layout.to_dict(),
         layer_map=lm.to_dict(), mode=mode, expert=expert, experts=experts, top_k=min(top_k, experts),
-        hidden=hidden, heads=heads, pos_features=pos_features, prev_token=prev_token,
+        hidden=hidden, heads=heads, pos_features=pos_features, prev_token=int(prev_token),
+        token_features=target.model.get_input_embeddings().weight.shape[1] if token_features else 0,
         source_fingerprint=source.fingerprint, target_fingerprint=target.fingerprint,
         source_tokenizer=tokenizer_fingerprint(source.tokenizer),
         target_tokenizer=tokenizer_fingerprint(target.tokenizer),

@@ -19,7 +19,7 @@ import torch
 
 from mot_cag.models.cache import rotate_keys
 from mot_cag.translate.alignment import leading_unaligned
-from mot_cag.translate.inject import source_window
+from mot_cag.translate.inject import source_window, target_embeddings
 from mot_cag.translate.mot import MixtureOfTranslators, Translator, build_translator, position_features
 
 
@@ -38,10 +38,12 @@ def _target_rows(translator: Translator, ex) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def collect(translator: Translator, examples: Iterable, tokens: int) -> dict[str, torch.Tensor]:
+def collect(translator: Translator, examples: Iterable, tokens: int, target=None) -> dict[str, torch.Tensor]:
     """Gather ``tokens`` aligned rows: ``xk, xv`` ``(n, N, W_src)``, ``yk, yv`` ``(n, N, W_tgt)``, ``pos`` ``(N,)``
-    and ``first`` ``(N,)`` (first translated row of each example)."""
-    parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": [], "pos": [], "first": []}
+    and ``first`` ``(N,)`` (first translated row of each example), and ``emb`` ``(N, E)`` target embeddings
+    when the translator reads them (``target`` must then be given)."""
+    parts: dict[str, list[torch.Tensor]] = {"xk": [], "xv": [], "yk": [], "yv": [], "pos": [], "first": [],
+                                            "emb": []}
     total = 0
     for ex in examples:
         skip = leading_unaligned(ex.W)  # target-only tokens are computed natively, not translated
@@ -52,10 +54,40 @@ def collect(translator: Translator, examples: Iterable, tokens: int) -> dict[str
         n = len(ex.tgt_ids) - skip
         parts["pos"].append(torch.arange(ex.start + skip, ex.start + len(ex.tgt_ids)))
         parts["first"].append(torch.arange(n) == 0)  # where the previous-token features are zero
+        emb = target_embeddings(translator, getattr(target, "model", target), ex.tgt_ids[skip:])
+        if emb is not None:
+            parts["emb"].append(emb.float().cpu())
         total += n
         if total >= tokens:
             break
-    return {k: torch.cat(v, dim=0 if k in ("pos", "first") else 1) for k, v in parts.items()}
+    return {k: torch.cat(v, dim=0 if k in ("pos", "first", "emb") else 1) for k, v in parts.items() if v}
+
+
+def _shift_rows(x: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tensor:
+    """``(n, N, W)`` rows ``k`` back within each example (zero before an example's first row)."""
+    idx = torch.arange(x.shape[1])
+    start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values  # example start per row
+    out = torch.roll(x, k, dims=1)
+    out[:, (idx - k) < start.to(idx.device)] = 0.0
+    return out
+
+
+def _side_rows(translator: Translator, data: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Side features ``(1, N, P)`` of the collected rows, built as at inference (per example for the
+    previous-token embedding)."""
+    cfg = translator.config
+    if not cfg.side_features:
+        return None
+    emb = data.get("emb")
+    if emb is not None and cfg.prev_token:
+        # Translator.side shifts within one chunk; rows here concatenate examples, so shift per example.
+        e = (emb - translator.emb_mean.cpu()) / translator.emb_std.cpu()
+        parts = []
+        if cfg.pos_features:
+            parts.append(position_features(data["pos"], cfg.pos_features, cfg.tgt.max_positions))
+        parts += [e] + [_shift_rows(e.unsqueeze(0), data["first"], k)[0] for k in range(1, int(cfg.prev_token) + 1)]
+        return torch.cat(parts, dim=-1).unsqueeze(0)
+    return translator.side(data["pos"], emb, torch.device("cpu"), torch.float32)
 
 
 def _set_stats(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -80,11 +112,9 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
     yn = ((y.to(dev) - mix.out_mean) / mix.out_std).double()  # (n, N, W_out)
     n, rows, w_in = xn.shape
     feats = [xn]
-    prev = mix.experts[0].prev is not None
-    if prev:
-        shifted = torch.roll(xn, 1, dims=1)  # previous row; zero where an example starts, as at inference
-        shifted[:, first.to(dev)] = 0.0
-        feats.append(shifted)
+    prev = mix.experts[0].prev_count
+    for k in range(1, prev + 1):  # previous rows; zero before an example starts, as at inference
+        feats.append(_shift_rows(xn, first.to(dev), k))
     if p is not None:
         feats.append(p.to(dev).double().expand(n, -1, -1))  # (n, N, P)
     feats.append(torch.ones(n, rows, 1, dtype=torch.float64, device=dev))
@@ -100,16 +130,16 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
         expert.linear.weight.data.copy_(sol[:, :w_in])
         expert.linear.bias.data.copy_(sol[:, -1:])
         if prev:
-            expert.prev.weight.data.copy_(sol[:, w_in:2 * w_in])
+            expert.prev.weight.data.copy_(sol[:, w_in:(1 + prev) * w_in])
         if expert.pos is not None and p is not None:
-            start = 2 * w_in if prev else w_in
-            expert.pos.weight.data.copy_(sol[:, start:-1])
+            expert.pos.weight.data.copy_(sol[:, (1 + prev) * w_in:-1])
     return resid
 
 
 @torch.no_grad()
 def calibrate(
-    translator: Translator, examples: Iterable, tokens: int = 4096, fit: bool = True, ridge_lambda: float = 1e-2
+    translator: Translator, examples: Iterable, tokens: int = 4096, fit: bool = True, ridge_lambda: float = 1e-2,
+    target=None,
 ) -> dict:
     """Set the translator's normalisation from calibration examples and, if ``fit``, its ridge linear part.
 
@@ -119,20 +149,23 @@ def calibrate(
         tokens: Target tokens to use.
         fit: Also solve the ridge regression into every expert's linear part.
         ridge_lambda: Ridge strength relative to the mean feature energy.
+        target: Target loaded model (needed when the translator reads target embeddings).
 
     Returns:
         Summary: tokens used, and the relative residuals of the key and value fits when ``fit``.
     """
     t0 = time.time()
-    data = collect(translator, examples, tokens)
+    data = collect(translator, examples, tokens, target)
     _set_stats(translator.keys, data["xk"], data["yk"])
     _set_stats(translator.values, data["xv"], data["yv"])
+    if "emb" in data:
+        dev = translator.emb_mean.device
+        translator.emb_mean.copy_(data["emb"].mean(0, keepdim=True).to(dev))
+        std = data["emb"].std(0, keepdim=True)
+        translator.emb_std.copy_(torch.maximum(std, 0.01 * std.mean()).clamp_min(1e-6).to(dev))
     out = {"tokens": int(data["pos"].numel())}
     if fit:
-        cfg = translator.config
-        p = None
-        if cfg.pos_features:
-            p = position_features(data["pos"], cfg.pos_features, cfg.tgt.max_positions).unsqueeze(0)  # (1, N, P)
+        p = _side_rows(translator, data)
         out["key_residual"] = _fit(translator.keys, data["xk"], data["yk"], p, ridge_lambda, data["first"])
         out["value_residual"] = _fit(translator.values, data["xv"], data["yv"], p, ridge_lambda, data["first"])
     out["seconds"] = round(time.time() - t0, 2)
@@ -141,7 +174,8 @@ def calibrate(
 
 def fit_ridge_translator(
     source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, mode: str = "direct",
-    window_start: int | None = None, window_width: int | None = None,
+    window_start: int | None = None, window_width: int | None = None, token_features: bool = False,
+    prev_token: int = 0,
 ) -> Translator:
     """The training-free baseline: one linear map per target layer, fitted in closed form.
 
@@ -154,9 +188,13 @@ def fit_ridge_translator(
         mode: ``direct`` or ``replay``.
         window_start: Replay window start.
         window_width: Replay window width.
+        token_features: Also regress on the target's token embeddings.
+        prev_token: Also regress on this many previous tokens' features.
     """
     translator = build_translator(source, target, mode=mode, expert="linear", experts=1, top_k=1,
-                                  window_start=window_start, window_width=window_width, kind="ridge")
-    summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda)
+                                  window_start=window_start, window_width=window_width, kind="ridge",
+                                  token_features=token_features, prev_token=prev_token)
+    summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda,
+                        target=target)
     translator.config.training = {"method": "ridge", "calibration": summary, "ridge_lambda": ridge_lambda}
     return translator.eval()

@@ -228,7 +228,7 @@ def train_translator(
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     calib = calibrate(translator, example_stream(source, target, cfg, seed=cfg.seed + 10_000),
-                      cfg.calibration_tokens, fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda)
+                      cfg.calibration_tokens, fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda, target=target)
     params = [p for p in translator.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg))
@@ -326,6 +326,8 @@ class TrainRequest:
         hidden: Expert hidden width.
         window_start: Replay window start (default: top-aligned).
         window_width: Replay window width (default: 30% of the shallower depth).
+        token_features: Feed the target's token embeddings to the experts.
+        prev_token: Also feed this many previous tokens' features.
         eval_examples: Held-out synthetic pairs (eval split, fresh seed) scored after training (0: skip).
         device: ``auto``, ``cpu``, ``cuda``...
         half: Store the weights as float16.
@@ -343,6 +345,8 @@ class TrainRequest:
     hidden: int = 128
     window_start: int | None = None
     window_width: int | None = None
+    token_features: bool = False
+    prev_token: int = 0
     eval_examples: int = 16
     device: str = "auto"
     half: bool = False
@@ -384,12 +388,14 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
         if req.kind == "ridge":
             translator = fit_ridge_translator(
                 source, target, example_stream(source, target, req.train), req.train.calibration_tokens,
-                req.train.ridge_lambda, req.mode, req.window_start, req.window_width)
+                req.train.ridge_lambda, req.mode, req.window_start, req.window_width, req.token_features,
+                req.prev_token)
         else:
             experts = 1 if req.kind == "single" else req.experts
             translator = build_translator(
                 source, target, mode=req.mode, expert=req.expert, experts=experts, top_k=min(req.top_k, experts),
-                hidden=req.hidden, window_start=req.window_start, window_width=req.window_width, kind=req.kind)
+                hidden=req.hidden, window_start=req.window_start, window_width=req.window_width, kind=req.kind,
+                token_features=req.token_features, prev_token=req.prev_token)
             train_translator(translator, source, target, req.train, log=log)
     except ValueError as e:
         raise MotCagError(str(e)) from None
