@@ -248,7 +248,7 @@ def test_ridge_baseline_same_model_is_near_exact(tiny_models, prev_token):
 def test_loss_terms_are_zero_for_identity_pair(tiny_models):
     m = tiny_models["opt"]
     tr = build_translator(m, m, expert="mlp", experts=2, hidden=16)
-    ex = next(iter(example_stream(m, m, TrainConfig(max_context_tokens=64, random_start=0.0))))
+    ex = next(iter(example_stream(m, m, TrainConfig(max_context_tokens=64, random_start=0.0, plain_chunk=0.0))))
     with torch.no_grad():
         terms = loss_terms(tr, ex, m)
     assert float(terms["ccl"]) < 1e-8 and float(terms["kl"]) < 1e-8 and float(terms["ce"]) > 0
@@ -305,3 +305,25 @@ def test_half_checkpoint_is_smaller_and_close(tiny_models, tmp_path):
     with torch.no_grad():
         a, b = translate(tr, chunk, al.W, t, al.tgt_ids), translate(loaded, chunk, al.W, t, al.tgt_ids)
     torch.testing.assert_close(a.keys, b.keys, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_token_features_keep_identity_and_fit_exactly(tiny_models, fam):
+    """Target-embedding side features start at zero weight (identity kept) and the ridge still fits exactly."""
+    from mot_cag.translate.ridge import calibrate
+
+    m = tiny_models[fam]
+    tr = build_translator(m, m, expert="mlp", experts=2, hidden=16, token_features=True, prev_token=2).eval()
+    assert tr.config.token_features == m.model.get_input_embeddings().weight.shape[1]
+    al = token_alignment(m.tokenizer, m.tokenizer, TEXT)
+    native = prefill(m.model, al.tgt_ids)
+    with torch.no_grad():
+        out = translate(tr, native, al.W, m, al.tgt_ids)
+    torch.testing.assert_close(out.keys, native.keys, atol=1e-5, rtol=1e-5)
+    # Source chunks with the target's own specials and positions, so an exact map exists.
+    cfg = TrainConfig(max_context_tokens=64, random_start=0.0, plain_chunk=0.0)
+    summary = calibrate(tr, example_stream(m, m, cfg), 300, fit=True, ridge_lambda=1e-6, target=m)
+    assert summary["key_residual"] < 1e-3 and summary["value_residual"] < 1e-3
+    with torch.no_grad():
+        out = translate(tr, native, al.W, m, al.tgt_ids)
+    assert (out.values - native.values).pow(2).mean() < 1e-3 * native.values.var()
