@@ -59,6 +59,9 @@ class TrainConfig:
         data: ``synthetic`` or a JSONL/text file.
         repeat_prob: Share of repeat-task examples in synthetic data.
         init: ``ridge`` (closed-form fit of the linear part first) or ``identity``.
+        linear_lr: Learning-rate multiplier (and no weight decay) for the experts' linear parts when they start
+            from the ridge fit: at the full rate AdamW walks away from the closed-form optimum in a few steps
+            (measured on the zoo: held-out KL rose 5x in 40 steps).
         calibration_tokens: Target tokens used to calibrate normalisation (and fit the ridge init).
         ridge_lambda: Ridge regularisation (relative to the mean feature energy).
         max_context_tokens: Longer contexts are cut (source tokens).
@@ -83,6 +86,7 @@ class TrainConfig:
     data: str = "synthetic"
     repeat_prob: float = 0.3
     init: str = "ridge"
+    linear_lr: float = 0.02
     calibration_tokens: int = 4096
     ridge_lambda: float = 1e-2
     max_context_tokens: int = 384
@@ -191,6 +195,20 @@ def _schedule(step: int, cfg: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _param_groups(translator: Translator, cfg: TrainConfig) -> list[dict]:
+    """Ridge-fitted linear parts (``linear``, ``prev``, ``pos`` of every expert) at ``linear_lr`` x the rate,
+    without weight decay; everything else at the full rate."""
+    fitted = {".linear.", ".prev.", ".pos."}
+    slow, fast = [], []
+    for name, p in translator.named_parameters():
+        if p.requires_grad:
+            (slow if cfg.init == "ridge" and any(f in name for f in fitted) else fast).append(p)
+    groups = [{"params": fast}]
+    if slow:
+        groups.append({"params": slow, "lr": cfg.lr * cfg.linear_lr, "weight_decay": 0.0})
+    return groups
+
+
 def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) -> Iterable[Example]:
     """Endless prepared examples from ``cfg.data``."""
     rng = random.Random(cfg.seed if seed is None else seed)
@@ -230,7 +248,7 @@ def train_translator(
     calib = calibrate(translator, example_stream(source, target, cfg, seed=cfg.seed + 10_000),
                       cfg.calibration_tokens, fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda, target=target)
     params = [p for p in translator.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(_param_groups(translator, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg))
     stream = iter(example_stream(source, target, cfg))
     weights = {"ce": cfg.ce, "ccl": cfg.ccl, "kl": cfg.kl, "balance": cfg.balance}
