@@ -275,7 +275,8 @@ def test_a_few_training_steps_reduce_the_loss(tiny_models, init):
     before = held_loss()
     summary = train_translator(tr, s, t, cfg)
     after = held_loss()
-    assert after < 0.9 * before, (before, after)
+    # From identity there is much to learn; from the closed-form ridge optimum training must still help.
+    assert after < (0.9 if init == "identity" else 1.0) * before, (before, after)
     assert summary["history"][-1]["step"] == 30 and "importance_cv2" in summary["history"][-1]
 
 
