@@ -318,11 +318,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     ap.add_argument("--runs-dir", type=Path, default=None)
+    ap.add_argument(
+        "--export-dir",
+        type=Path,
+        default=None,
+        help="where periodic exports go (default: the zoo folder mot_cag/zoo/models/NAME)",
+    )
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint and exit")
     a = ap.parse_args(argv)
     if a.export_only:
-        print(export_latest(a.name, a.runs_dir))
+        print(export_latest(a.name, a.runs_dir, a.export_dir))
         return
     cfg = TrainConfig(
         steps=a.steps,
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         eval_every=a.eval_every,
     )
-    train(a.name, cfg, a.runs_dir, resume=not a.fresh)
+    train(a.name, cfg, a.runs_dir, resume=not a.fresh, export_dir=a.export_dir)
 
 
 if __name__ == "__main__":
