@@ -138,3 +138,11 @@ def test_few_training_steps_lower_the_loss(tmp_path):
         if '"loss"' in x
     ]
     assert losses[-1] < losses[0] - 0.3
+
+
+def test_exact_match_stop_rule():
+    from mot_cag.zoo.quick_eval import _ends_answer
+
+    assert _ends_answer(".", None) and _ends_answer(".\n", None) and _ends_answer("\n", None)
+    assert _ends_answer("</s>", "</s>")
+    assert not _ends_answer("fish", None) and not _ends_answer(" Bra", None)
