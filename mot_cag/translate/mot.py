@@ -4,19 +4,21 @@ Shapes used throughout (``n`` translated layers, ``T`` target tokens, widths are
 
     source window  (n, T, W_src)   source K (or V) of the mapped source layers, averaged onto target tokens,
                                    RoPE keys un-rotated (position-free)
-    positions      (T, P)          sinusoidal features of the target positions (absolute-position targets)
+    side features  (1, T, P)       target-position features (absolute targets), target token embeddings
     expert output  (n, T, W_tgt)   target K (or V) of the translated layers, RoPE keys un-rotated
     router weights (T, K)          per-token mixture over the K experts (top-k, softmax)
 
-Keys and values have separate mixtures. Every expert is ``linear(x) + pos(p) + bias + f(x, p)`` in a per-layer
-normalised space (calibrated means and scales are buffers saved with the weights); ``f`` ends in a
-zero-initialised projection and the linear part starts as the (rectangular) identity, so an untrained
-translator between two copies of one model reproduces the source cache exactly. Expert kinds:
+Keys and values have separate mixtures. A mixture is ``base(x, p) + sum_k w_k f_k(x, p)`` in a per-layer
+normalised space (calibrated means and scales are buffers saved with the weights): ``base`` is one shared
+linear map (the identity at first, then the closed-form ridge fit), and each expert ``f_k`` is a non-linear
+correction ending in a zero-initialised projection, so an untrained translator between two copies of one
+model reproduces the source cache exactly. ``p`` holds per-token side features: target positions
+(absolute-position targets) and optionally the target's own token embeddings. Expert kinds:
 
 * ``attn`` (the paper's): ``f`` attends across the window's layers (per token) and causally across tokens
   (per layer), then an MLP;
 * ``mlp``: ``f`` is a per-layer two-layer MLP (cheap, no token mixing);
-* ``linear``: no ``f`` (the closed-form ridge baseline fills the linear part).
+* ``linear``: no experts, the shared map alone (the closed-form ridge baseline).
 """
 
 from __future__ import annotations
@@ -197,21 +199,35 @@ def previous_tokens(x: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([shift_tokens(x, k) for k in range(1, count + 1)], dim=-1)
 
 
-class Expert(nn.Module):
-    """One translator: ``(n, T, W_in)`` (+ positions ``(T, P)``) -> ``(n, T, W_out)``."""
+class LinearMap(nn.Module):
+    """The shared linear part of a mixture: ``x A + prev(x) B + p C + b`` per layer, ``(n, T, W_in)`` ->
+    ``(n, T, W_out)``. Starts as the (rectangular) identity; the ridge fit writes it in closed form."""
 
-    def __init__(self, kind: ExpertKind, n: int, d_in: int, d_out: int, hidden: int, heads: int, pos: int,
-                 prev_token: int = 0):
+    def __init__(self, n: int, d_in: int, d_out: int, side: int, prev_token: int = 0):
         super().__init__()
-        self.kind = kind
         self.linear = _PerLayerLinear(n, d_in, d_out, init="eye")
         self.prev_count = int(prev_token)
         self.prev = _PerLayerLinear(n, self.prev_count * d_in, d_out, init="zero", bias=False) if prev_token else None
-        self.pos = _PerLayerLinear(n, pos, d_out, init="zero") if pos else None
-        if kind == "linear":
-            return
+        self.pos = _PerLayerLinear(n, side, d_out, init="zero", bias=False) if side else None
+
+    def forward(self, x: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        y = self.linear(x)  # (n, T, out)
+        if self.prev is not None:
+            y = y + self.prev(previous_tokens(x, self.prev_count))
+        if self.pos is not None and p is not None:
+            y = y + self.pos(p.expand(x.shape[0], -1, -1))
+        return y
+
+
+class Expert(nn.Module):
+    """One translator's non-linear correction: ``(n, T, W_in)`` (+ side features ``(1, T, P)``) ->
+    ``(n, T, W_out)``, added to the shared linear map; its output projection starts at zero."""
+
+    def __init__(self, kind: ExpertKind, n: int, d_in: int, d_out: int, hidden: int, heads: int, side: int):
+        super().__init__()
+        self.kind = kind
         self.inp = _PerLayerLinear(n, d_in, hidden)
-        self.pos_in = nn.Linear(pos, hidden) if pos else None
+        self.pos_in = nn.Linear(side, hidden) if side else None
         self.out = _PerLayerLinear(n, hidden, d_out, init="zero")
         if kind == "attn":
             self.layer_emb = nn.Parameter(torch.randn(n, 1, hidden) * 0.02)
@@ -222,13 +238,6 @@ class Expert(nn.Module):
             self.mid = nn.Sequential(nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU())
 
     def forward(self, x: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-        y = self.linear(x)  # (n, T, out)
-        if self.prev is not None:
-            y = y + self.prev(previous_tokens(x, self.prev_count))
-        if self.pos is not None and p is not None:
-            y = y + self.pos(p.expand(x.shape[0], -1, -1))
-        if self.kind == "linear":
-            return y
         h = self.inp(x)  # (n, T, hidden)
         if self.pos_in is not None and p is not None:
             h = h + self.pos_in(p)
@@ -239,7 +248,7 @@ class Expert(nn.Module):
             h = self.norm(h)
         else:
             h = self.mid(h)
-        return y + self.out(h)
+        return self.out(h)
 
 
 class MixtureOfTranslators(nn.Module):
@@ -252,12 +261,13 @@ class MixtureOfTranslators(nn.Module):
     def __init__(self, cfg: TranslatorConfig, n: int, d_in: int, d_out: int):
         super().__init__()
         self.top_k = cfg.top_k
+        self.base = LinearMap(n, d_in, d_out, cfg.side_features, cfg.prev_token)
+        count = 0 if cfg.expert == "linear" else cfg.experts
         self.experts = nn.ModuleList(
-            Expert(cfg.expert, n, d_in, d_out, cfg.hidden, cfg.heads, cfg.side_features, cfg.prev_token)
-            for _ in range(cfg.experts)
+            Expert(cfg.expert, n, d_in, d_out, cfg.hidden, cfg.heads, cfg.side_features) for _ in range(count)
         )
         self.router = None
-        if cfg.experts > 1:
+        if count > 1:
             hidden = max(32, min(cfg.hidden, n * d_in))
             self.router = nn.Sequential(nn.LayerNorm(n * d_in), nn.Linear(n * d_in, hidden), nn.GELU(),
                                         nn.Linear(hidden, cfg.experts))
@@ -279,14 +289,15 @@ class MixtureOfTranslators(nn.Module):
     def forward(self, x: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
         """Translate ``(n, T, W_in)`` to ``(n, T, W_out)``."""
         xn = (x - self.in_mean) / self.in_std
+        y = self.base(xn, p)  # (n, T, out)
         outs = [e(xn, p) for e in self.experts]
-        if self.router is None:
-            y = outs[0]
-            self.last_weights = None
-        else:
+        self.last_weights = None
+        if len(outs) == 1:
+            y = y + outs[0]
+        elif outs:
             weights = self.route(xn)  # (T, K)
             self.last_weights = weights
-            y = torch.einsum("knto,tk->nto", torch.stack(outs), weights)  # (n, T, out)
+            y = y + torch.einsum("knto,tk->nto", torch.stack(outs), weights)  # (n, T, out)
         return y * self.out_std + self.out_mean
 
     def balance(self) -> dict[str, float]:

@@ -102,7 +102,7 @@ def _set_stats(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor) -> N
 
 def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.Tensor | None, lam: float,
          first: torch.Tensor) -> float:
-    """Solve the per-layer ridge in normalised space and write it into every expert's linear part.
+    """Solve the per-layer ridge in normalised space and write it into the mixture's shared linear map.
 
     Returns:
         Mean relative residual (residual energy / target energy) on the calibration rows.
@@ -112,7 +112,7 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
     yn = ((y.to(dev) - mix.out_mean) / mix.out_std).double()  # (n, N, W_out)
     n, rows, w_in = xn.shape
     feats = [xn]
-    prev = mix.experts[0].prev_count
+    prev = mix.base.prev_count
     for k in range(1, prev + 1):  # previous rows; zero before an example starts, as at inference
         feats.append(_shift_rows(xn, first.to(dev), k))
     if p is not None:
@@ -126,13 +126,13 @@ def _fit(mix: MixtureOfTranslators, x: torch.Tensor, y: torch.Tensor, p: torch.T
     sol = torch.linalg.solve(gram + reg[:, None, None] * eye, f.transpose(1, 2) @ yn)  # (n, F, W_out)
     resid = ((f @ sol - yn).pow(2).sum() / yn.pow(2).sum().clamp_min(1e-12)).item()
     sol = sol.float()
-    for expert in mix.experts:
-        expert.linear.weight.data.copy_(sol[:, :w_in])
-        expert.linear.bias.data.copy_(sol[:, -1:])
-        if prev:
-            expert.prev.weight.data.copy_(sol[:, w_in:(1 + prev) * w_in])
-        if expert.pos is not None and p is not None:
-            expert.pos.weight.data.copy_(sol[:, (1 + prev) * w_in:-1])
+    base = mix.base
+    base.linear.weight.data.copy_(sol[:, :w_in])
+    base.linear.bias.data.copy_(sol[:, -1:])
+    if prev:
+        base.prev.weight.data.copy_(sol[:, w_in:(1 + prev) * w_in])
+    if base.pos is not None and p is not None:
+        base.pos.weight.data.copy_(sol[:, (1 + prev) * w_in:-1])
     return resid
 
 

@@ -196,13 +196,12 @@ def _schedule(step: int, cfg: TrainConfig) -> float:
 
 
 def _param_groups(translator: Translator, cfg: TrainConfig) -> list[dict]:
-    """Ridge-fitted linear parts (``linear``, ``prev``, ``pos`` of every expert) at ``linear_lr`` x the rate,
-    without weight decay; everything else at the full rate."""
-    fitted = {".linear.", ".prev.", ".pos."}
+    """The ridge-fitted shared linear maps at ``linear_lr`` x the rate, without weight decay; experts and
+    routers at the full rate."""
     slow, fast = [], []
     for name, p in translator.named_parameters():
         if p.requires_grad:
-            (slow if cfg.init == "ridge" and any(f in name for f in fitted) else fast).append(p)
+            (slow if cfg.init == "ridge" and ".base." in name else fast).append(p)
     groups = [{"params": fast}]
     if slow:
         groups.append({"params": slow, "lr": cfg.lr * cfg.linear_lr, "weight_decay": 0.0})
