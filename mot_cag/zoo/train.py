@@ -159,6 +159,7 @@ def train(
     resume: bool = True,
     export_dir: Path | None = None,
     log=print,
+    init_from: Path | None = None,
 ) -> dict:
     """Train (or resume) a zoo model.
 
@@ -169,6 +170,9 @@ def train(
         resume: Resume from ``<runs_dir>/<name>/ckpt`` when it exists.
         export_dir: Where to export (default ``mot_cag/zoo/models/<name>``).
         log: Callable receiving human-readable log lines (also written to ``train.log``).
+        init_from: Without a checkpoint, start from an exported model folder (e.g. the shipped
+            ``mot_cag/zoo/models/<name>``, whose ``card.json`` gives the step count) with a fresh
+            optimizer: how a new session continues when ``runs/`` did not survive.
 
     Returns:
         The final run state (step, wall time, last evaluation).
@@ -210,6 +214,9 @@ def train(
     if resume and (ckpt / "state.json").exists():
         state = load_checkpoint(ckpt, model, opt)
         state["train"] = asdict(cfg)
+    elif init_from is not None:
+        state = _init_from_export(Path(init_from), model, state)
+        state["train"] = asdict(cfg)
     logf = (run / "train.log").open("a")
     metf = (run / "metrics.jsonl").open("a")
 
@@ -230,7 +237,7 @@ def train(
         step = state["step"]
         t_step = time.time()
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, base_lr, cfg.warmup)
+            g["lr"] = _lr_at(step - state.get("rewarm_from", 0), base_lr, cfg.warmup)
         batch = {k: v.to(device) for k, v in make_batch(tok, step, cfg.seed, cfg.tokens_per_step, cur).items()}
         loss, stats = _loss(model, batch, autocast)
         opt.zero_grad(set_to_none=True)
@@ -275,6 +282,23 @@ def train(
             t_last = time.time()
     logf.close()
     metf.close()
+    return state
+
+
+def _init_from_export(folder: Path, model, state: dict) -> dict:
+    """Load exported (fp16) weights into ``model`` and take step count and wall time from its card."""
+    exported = AutoModelForCausalLM.from_pretrained(folder).float()
+    model.load_state_dict(exported.state_dict())
+    card = json.loads((folder / "card.json").read_text())
+    state.update(
+        step=card["steps"],
+        wall_s=card["wall_time_s"],
+        eval=card.get("eval"),
+        circuit=card.get("circuit_init", state["circuit"]),
+        init_from=str(folder),
+    )
+    # Warm-up again: the optimizer moments start from zero.
+    state["rewarm_from"] = card["steps"]
     return state
 
 
@@ -325,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
         help="where periodic exports go (default: the zoo folder mot_cag/zoo/models/NAME)",
     )
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="without a checkpoint, continue from an exported model folder (fresh optimizer)",
+    )
     ap.add_argument("--export-only", action="store_true", help="export the latest checkpoint and exit")
     a = ap.parse_args(argv)
     if a.export_only:
@@ -339,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         eval_every=a.eval_every,
     )
-    train(a.name, cfg, a.runs_dir, resume=not a.fresh, export_dir=a.export_dir)
+    train(a.name, cfg, a.runs_dir, resume=not a.fresh, export_dir=a.export_dir, init_from=a.init_from)
 
 
 if __name__ == "__main__":
