@@ -175,8 +175,9 @@ def init_copy_circuit(model, spec: ZooSpec, seed: int = 0) -> dict:
     ``(P1 + P2)`` at the key (the current and previous token against the key's two predecessors), copies the
     key token's embedding into block ``C``, and the LM head reads ``C`` with the embedding codes, so the
     model starts out predicting "what followed the last occurrence of this bigram". For Qwen2 the matching
-    uses only the slowest RoPE pairs (rotation under 0.1 rad over the whole context), so matching does not
-    depend on distance.
+    uses the slowest ``embed_dims / 2`` RoPE pairs, so it only ignores distance when ``head_dim`` leaves
+    that many slow pairs (``head_dim >= 2 * embed_dims`` with a large ``rope_theta``); with the shipped
+    ``head_dim == embed_dims`` the fast pairs are used too and add distance-dependent noise.
 
     Args:
         model: A freshly built ``GPT2LMHeadModel``, ``OPTForCausalLM`` or ``Qwen2ForCausalLM``.

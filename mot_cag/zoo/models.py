@@ -5,8 +5,8 @@ name           architecture tokenizer  layers  width  heads/kv  positions
 =============  ===========  =========  ======  =====  ========  ======================
 gpt2-mini      GPT-2        gpt2 (512)      4    192  6/6       learned absolute, 2048
 opt-mini       OPT          opt (768)       3    256  8/8       learned absolute (+2), 2048
-qwen2-mini     Qwen2        qwen2 (640)     4    192  3/1       RoPE (base 1e9), 2048
-qwen2-small    Qwen2        qwen2 (640)     3    256  4/2       RoPE (base 1e9), 2048
+qwen2-mini     Qwen2        qwen2 (640)     4    192  6/2       RoPE (base 1e9), 2048
+qwen2-small    Qwen2        qwen2 (640)     3    256  8/2       RoPE (base 1e9), 2048
 =============  ===========  =========  ======  =====  ========  ======================
 
 Every spec also records the copy-circuit layout used at initialisation (see :mod:`mot_cag.zoo.circuits`):
