@@ -52,6 +52,7 @@ class TrainConfig:
     eval_every: int = 400
     export_every: int = 800
     eval_n: int = 40
+    long_every: int = 4  # every n-th step trains on ~1000-token documents (see batches.Curriculum)
     eval_long_tokens: int = 1000  # needle context length in the periodic evaluation
     bf16: bool = True
     device: str = "auto"
@@ -229,7 +230,7 @@ def train(
         f"[{time.strftime('%H:%M:%S')}] {name}: start at step {state['step']} -> {cfg.steps}, lr {base_lr}, "
         f"tokens/step {cfg.tokens_per_step}, device {device}, params {sum(p.numel() for p in model.parameters())}"
     )
-    cur = Curriculum()
+    cur = Curriculum(long_every=cfg.long_every)
     autocast = cfg.bf16 and device.type in ("cpu", "cuda")
     t_last = time.time()
     acc: dict[str, list[float]] = {}
@@ -341,6 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    ap.add_argument(
+        "--long-every", type=int, default=TrainConfig.long_every, help="every n-th step trains on ~1000-token documents"
+    )
     ap.add_argument("--runs-dir", type=Path, default=None)
     ap.add_argument(
         "--export-dir",
@@ -368,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=a.threads,
         device=a.device,
         eval_every=a.eval_every,
+        long_every=a.long_every,
     )
     train(a.name, cfg, a.runs_dir, resume=not a.fresh, export_dir=a.export_dir, init_from=a.init_from)
 
