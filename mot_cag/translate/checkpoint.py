@@ -190,6 +190,9 @@ def list_translators() -> list[dict]:
     return rows
 
 
+_BUFFERS = {"in_mean", "in_std", "out_mean", "out_std", "emb_mean", "emb_std", "src_inv_freq", "tgt_inv_freq"}
+
+
 def _param_count(path: Path) -> int:
     """Parameters from the safetensors header, buffers excluded (by name)."""
     if not path.is_file():
@@ -198,8 +201,7 @@ def _param_count(path: Path) -> int:
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
     total = 0
     for key, info in header.items():
-        if key == "__metadata__" or key.rsplit(".", 1)[-1] in {"in_mean", "in_std", "out_mean", "out_std"} \
-                or key.endswith("inv_freq"):
+        if key == "__metadata__" or key.rsplit(".", 1)[-1] in _BUFFERS:
             continue
         count = 1
         for d in info["shape"]:
