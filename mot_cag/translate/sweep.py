@@ -35,23 +35,27 @@ LOSSES = {"mot": (0.0, 1.0, 5.0), "single": (0.0, 1.0, 5.0), "ce": (1.0, 0.0, 0.
           "ce+ccl": (1.0, 1.0, 0.0), "kl": (0.0, 0.0, 5.0)}
 
 
-def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 128, seed: int = 0) -> dict:
+def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 128, seed: int = 0,
+                token_features: bool = False, prev_tokens: int = 0) -> dict:
     """Train/fit one variant and score it in the injection modes it supports."""
     t0 = time.time()
+    extra = {"token_features": token_features, "prev_token": prev_tokens}
     cfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps))
     if variant == "ridge":
-        tr = fit_ridge_translator(source, target, example_stream(source, target, cfg), cfg.calibration_tokens)
+        tr = fit_ridge_translator(source, target, example_stream(source, target, cfg), cfg.calibration_tokens,
+                                  **extra)
         modes = ("direct", "replay")
     elif variant.startswith("window@"):
         start = int(variant.split("@")[1])
         tr = build_translator(source, target, mode="replay", expert="attn", experts=4, top_k=2, hidden=hidden,
-                              window_start=start, window_width=1)
+                              window_start=start, window_width=1, **extra)
         train_translator(tr, source, target, cfg)
         modes = ("replay",)
     else:
         cfg.ce, cfg.ccl, cfg.kl = LOSSES[variant]
         experts = 1 if variant == "single" else 4
-        tr = build_translator(source, target, expert="attn", experts=experts, top_k=min(2, experts), hidden=hidden)
+        tr = build_translator(source, target, expert="attn", experts=experts, top_k=min(2, experts), hidden=hidden,
+                              **extra)
         train_translator(tr, source, target, cfg)
         modes = ("direct", "replay")
     row = {"source": source.name, "target": target.name, "variant": variant,
@@ -121,6 +125,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval", type=int, default=24, help="Held-out pairs.")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--token-features", action="store_true", help="Feed target token embeddings (see mot.py).")
+    ap.add_argument("--prev-tokens", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", required=True, help="Output folder: results.json, results.md, results.png.")
     ap.add_argument("--replot", action="store_true", help="Only redraw results.md/png from results.json.")
@@ -153,7 +160,8 @@ def main() -> None:
         s, t = args.sweep_pair.split(":")
         jobs += [(s, t, f"window@{i}") for i in range(models[t].layout.layers)]
     for s, t, v in jobs:
-        rows.append(run_variant(models[s], models[t], v, args.steps, held))
+        rows.append(run_variant(models[s], models[t], v, args.steps, held, args.hidden,
+                                token_features=args.token_features, prev_tokens=args.prev_tokens))
         print(json.dumps(rows[-1]), flush=True)
         save()
     plot(rows, out / "results.png")
