@@ -32,6 +32,10 @@ out = Console()
 err = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
+InjectionOpt = Annotated[str | None, typer.Option(
+    help="How translated caches enter the target: auto (= replay-joint), direct (translated K/V are the cache; "
+         "fastest), replay (the target re-runs each chunk with translated K/V in its window layers) or "
+         "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention).")]
 
 
 def _print_json(data) -> None:
@@ -125,6 +129,147 @@ def data_synth(
     err.print(f"wrote {len(rows)} {task} examples to {path}")
 
 
+@data_app.command("corpus")
+def data_corpus(
+    folder: Annotated[str, typer.Argument(help="Corpus folder: DIR/docs/doc-XXX.txt and DIR/questions.jsonl.")],
+    docs: Annotated[int, typer.Option(help="Number of documents.")] = 40,
+    questions: Annotated[int, typer.Option(help="Number of questions, spread over the documents.")] = 60,
+    seed: Annotated[int, typer.Option(help="Random seed (the same seed writes identical files).")] = 7311,
+    facts_per_doc: Annotated[str, typer.Option(help="Fact sentences per document: MIN-MAX or N.")] = "10-14",
+    tokenizer: Annotated[str, typer.Option(help="Model whose tokenizer measures the documents.")] = "qwen2-mini",
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty DIR/docs (deletes its files).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a held-out corpus for long-context CAG: documents of facts about corpus-unique people (eval split
+    names and values) and questions naming the document that answers each. Ingest DIR/docs, then
+    `mot-cag eval --dataset DIR/questions.jsonl --store ...`."""
+    from mot_cag.data.corpus import CorpusConfig, make_corpus, parse_facts_range, write_corpus
+    from mot_cag.models.registry import load_model
+
+    lo, hi = parse_facts_range(facts_per_doc)
+    cfg = CorpusConfig(docs=docs, questions=questions, seed=seed, facts_min=lo, facts_max=hi)
+    tok = load_model(tokenizer, weights=False).tokenizer  # before writing: a missing model writes nothing
+    s = write_corpus(make_corpus(cfg), folder, force=force, tokenizer=tok, tokenizer_name=tokenizer)
+    if as_json:
+        _print_json(s.to_json())
+        return
+    dt = s.doc_tokens or {}
+    out.print(f"wrote {s.docs} documents and {s.questions} questions to {s.dir} (seed {s.seed}): {s.tokens:,} "
+              f"{tokenizer} tokens, {dt.get('min')}-{dt.get('max')} per document (mean {dt.get('mean')}).",
+              highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------------------------------- zoo
+
+zoo_app = typer.Typer(help="Rebuild the bundled zoo models with their recipe, and measure them.",
+                      no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
+
+
+def _zoo_spec(name: str):
+    """The zoo spec of ``name``, or a user error listing the zoo."""
+    from mot_cag.zoo.models import get_spec
+
+    try:
+        return get_spec(name)
+    except KeyError as e:
+        raise MotCagError(f"{e.args[0]} (`mot-cag zoo train` builds zoo models only).") from None
+
+
+@zoo_app.command("train")
+def zoo_train(
+    name: Annotated[str, typer.Argument(help="Zoo model: gpt2-mini, opt-mini, qwen2-mini or qwen2-small.")],
+    steps: Annotated[int | None, typer.Option(help="Total optimizer steps (a resumed run continues to it; 6000).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default 2).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    long_every: Annotated[int | None, typer.Option(help="Every n-th step trains on ~1000-token documents (4).")] = None,
+    tokens_per_step: Annotated[int | None, typer.Option(help="Tokens per optimizer step (4096).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (default: the model spec's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and of the data stream.")] = 0,
+    eval_every: Annotated[int | None, typer.Option(help="Steps between held-out evaluations in the log (400).")] = None,
+    eval_n: Annotated[int | None, typer.Option(help="Examples per task in those evaluations (40).")] = None,
+    ckpt_every: Annotated[int | None, typer.Option(help="Steps between checkpoints (200).")] = None,
+    export_every: Annotated[int | None, typer.Option(help="Steps between exports (800).")] = None,
+    runs_dir: Annotated[str | None, typer.Option(help="Checkpoints and logs go to RUNS_DIR/NAME (runs/zoo).")] = None,
+    export_dir: Annotated[str | None, typer.Option(
+        help="Where exports go (default RUNS_DIR/NAME/export; with --export-only the shipped zoo folder).")] = None,
+    init_from: Annotated[str | None, typer.Option(
+        help="Without a checkpoint, continue from an exported model folder (fresh optimizer).")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start from step 0, ignoring an existing checkpoint.")] = False,
+    export_only: Annotated[bool, typer.Option(
+        "--export-only", help="Export the latest checkpoint (no training) and exit.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a zoo model from scratch with the recipe (seeded; CPU or CUDA), resuming from its last checkpoint.
+
+    Exports go to RUNS_DIR/NAME/export unless --export-dir says otherwise, so the shipped weights (which the
+    bundled translators were trained against) change only when `--export-only` promotes a checkpoint."""
+    from pathlib import Path
+
+    from mot_cag.zoo.models import model_dir
+    from mot_cag.zoo.train import RUNS_DIR, TrainConfig, export_latest, train
+
+    _zoo_spec(name)
+    runs = Path(runs_dir) if runs_dir else RUNS_DIR
+    if export_only:
+        path = export_latest(name, runs, Path(export_dir) if export_dir else model_dir(name))
+        _print_json({"name": name, "export_dir": str(path)}) if as_json else out.print(
+            f"exported the latest {name} checkpoint to {path}", highlight=False, soft_wrap=True)
+        return
+    given = {"steps": steps, "threads": threads, "long_every": long_every, "tokens_per_step": tokens_per_step,
+             "lr": lr, "eval_every": eval_every, "eval_n": eval_n, "ckpt_every": ckpt_every,
+             "export_every": export_every}
+    for key, v in given.items():
+        if v is not None and v <= 0:
+            raise MotCagError(f"--{key.replace('_', '-')} must be positive, got {v}.")
+    cfg = TrainConfig(seed=seed, device=device, **{k: v for k, v in given.items() if v is not None})
+    export = Path(export_dir) if export_dir else runs / name / "export"
+    state = train(name, cfg, runs, resume=not fresh, export_dir=export,
+                  log=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True),
+                  init_from=Path(init_from) if init_from else None)
+    if as_json:
+        _print_json({"name": name, "step": state["step"], "wall_s": round(state["wall_s"], 1),
+                     "run_dir": str(runs / name), "export_dir": str(export), "eval": state["eval"]})
+        return
+    out.print(f"{name}: step {state['step']} after {state['wall_s'] / 60:.1f} min of training; checkpoint in "
+              f"{runs / name / 'ckpt'}, exported to {export}", highlight=False, soft_wrap=True)
+
+
+@zoo_app.command("eval")
+def zoo_eval(
+    models: Annotated[list[str] | None, typer.Argument(
+        help="Zoo names or exported model folders (default: every shipped zoo model).")] = None,
+    n: Annotated[int, typer.Option(help="Examples per task.")] = 100,
+    seed: Annotated[int, typer.Option(help="Data seed (held-out strings either way).")] = 9001,
+    long_tokens: Annotated[int, typer.Option(help="Context tokens of the needle and multi-key tasks (0: skip).")] = 1000,
+    threads: Annotated[int, typer.Option(help="CPU threads.")] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Quick held-out evaluation of zoo models, with the document and without it (direct / none): repeat token
+    accuracy, QA exact match and NLL, closed-set accuracy, needle and multi-key; one table row per model."""
+    import torch
+
+    from mot_cag.device import pick_device
+    from mot_cag.zoo.models import ZOO, model_dir
+    from mot_cag.zoo.quick_eval import eval_models, load_for_eval, summary_line, table
+
+    if n < 1 or threads < 1 or long_tokens < 0:
+        raise MotCagError("--n and --threads must be positive and --long-tokens at least 0.")
+    names = models or [z for z in ZOO if (model_dir(z) / "config.json").is_file()]
+    for name in names:  # fail before minutes of evaluation, not after
+        if name not in ZOO and not (Path(name) / "config.json").is_file():
+            load_for_eval(name)
+    torch.set_num_threads(threads)
+    results = eval_models(names, n=n, seed=seed, long_tokens=long_tokens or None, device=pick_device(device),
+                          on_result=lambda name, res: err.print(f"{name}: {summary_line(res)}", highlight=False,
+                                                                soft_wrap=True))
+    if as_json:
+        _print_json(results)
+    else:
+        out.print(table(results), highlight=False, markup=False, soft_wrap=True)
+
+
 # --------------------------------------------------------------------------------------------------- eval
 
 
@@ -140,7 +285,8 @@ def eval_cmd(
     top_k: Annotated[int, typer.Option(help="Chunks retrieved per question with --store.")] = 4,
     limit: Annotated[int | None, typer.Option(help="Evaluate at most N examples.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of synthetic datasets.")] = 0,
-    translator: Annotated[str | None, typer.Option(help="Translator folder (default: the one found for the pair).")] = None,
+    translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
+    injection: InjectionOpt = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     details: Annotated[str | None, typer.Option(help="Write per-example results to this JSONL file.")] = None,
     plot: Annotated[str | None, typer.Option(help="Save a bar chart of the scores per mode (PNG).")] = None,
@@ -150,11 +296,11 @@ def eval_cmd(
     token accuracy, answer NLL and KL to direct context, and retention of translated vs direct."""
     from dataclasses import asdict
 
-    from mot_cag.evaluation.run import EvalRequest, run_eval
     from mot_cag.evaluation.report import render_table, save_plot
+    from mot_cag.evaluation.run import EvalRequest, run_eval
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
-                      limit=limit, seed=seed, device=device, translator=translator)
+                      limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto")
     with _progress(not as_json) as progress:
         report, results = run_eval(req, progress=progress)
     if details:
@@ -368,6 +514,7 @@ def ask_cmd(
     store: Annotated[str | None, typer.Option(help="Store folder (default from the pipeline).")] = None,
     top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
     mode: Annotated[str | None, typer.Option(help="translated, direct, native-chunks or none.")] = None,
+    injection: InjectionOpt = None,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Generation budget.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto.")] = None,
@@ -380,11 +527,11 @@ def ask_cmd(
     from mot_cag.device import pick_device
     from mot_cag.pipeline.ask import Asker
 
-    cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode,
+    cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode, injection=injection,
                                                       max_new_tokens=max_new_tokens, device=device)
     target = target or cfg.targets[0]
     asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
-                  max_new_tokens=cfg.max_new_tokens)
+                  max_new_tokens=cfg.max_new_tokens, injection=cfg.injection)
     stream = (not as_json) and out.is_terminal
     if stream:
         out.print(f"[bold]{asker.target.name}[/bold] ({cfg.mode}): ", end="")

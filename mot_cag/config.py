@@ -13,6 +13,7 @@ from mot_cag.errors import MotCagError
 
 DEFAULT_PIPELINE = Path("pipelines/default.toml")
 MODES = ("translated", "direct", "native-chunks", "none")
+INJECTIONS = ("auto", "direct", "replay", "replay-joint")
 
 
 @dataclass
@@ -27,6 +28,8 @@ class PipelineConfig:
         embedder: Sentence-embedding model name or path for retrieval.
         top_k: Chunks retrieved per question.
         mode: Default context mode of ``ask``.
+        injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
+            (each chunk replayed by the target) or ``replay-joint`` (one replay over all retrieved chunks).
         targets: Target models this pipeline is meant for (the demo asks each).
         max_new_tokens: Generation budget of ``ask``.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
@@ -39,6 +42,7 @@ class PipelineConfig:
     embedder: str = "all-MiniLM-L6-v2"
     top_k: int = 4
     mode: str = "translated"
+    injection: str = "auto"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48
     device: str = "auto"
@@ -46,6 +50,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
+        if self.injection not in INJECTIONS:
+            raise MotCagError(f"Pipeline injection '{self.injection}' is unknown; use one of {', '.join(INJECTIONS)}.")
         if self.top_k < 1:
             raise MotCagError(f"Pipeline top_k must be at least 1, got {self.top_k}.")
         if self.chunk_tokens < 8:
@@ -75,7 +81,8 @@ class PipelineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise MotCagError(f"Pipeline file {path} has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+            raise MotCagError(f"Pipeline file {path} has unknown keys {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}.")
         return cls(**data)
 
     def override(self, **options) -> PipelineConfig:

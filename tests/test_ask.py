@@ -89,7 +89,8 @@ def test_ask_cli_json_and_errors(tiny_dir, tiny_store):
     assert set(res) == ASK_KEYS and len(res["chunks"]) == 1
     assert set(res["chunks"][0]) == {"doc", "chunk", "score", "text"}
     for args in (["", "--target", str(tiny_dir / "tiny-qwen2")], ["Where?", "--target", "no-such-model"],
-                 ["Where?", "--target", str(tiny_dir / "tiny-opt")]):
+                 ["Where?", "--target", str(tiny_dir / "tiny-opt")],
+                 ["Where?", "--target", str(tiny_dir / "tiny-qwen2"), "--injection", "sideways"]):
         proc = subprocess.run(base + args, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0, args
         assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("error:"), (args, proc.stderr)

@@ -29,6 +29,7 @@ class EvalRequest:
     device: str = "auto"
     translator: str | None = None
     max_new_tokens: int = 24
+    injection: str = "auto"
 
 
 def default_modes(source: str | None) -> list[str]:
@@ -60,6 +61,9 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
         req.source = open_store(req.store).source.name  # a store's caches come from its own source model
     modes = list(dict.fromkeys(req.modes or default_modes(req.source)))
     _check_modes(modes, req.source)
+    from mot_cag.pipeline.translation import check_injection_name
+
+    check_injection_name(req.injection)
     device = pick_device(req.device)
     torch.manual_seed(req.seed)
     target = load_model(req.target, device=device)
@@ -68,19 +72,18 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     if not examples:
         raise MotCagError(f"Dataset {req.dataset} has no examples.")
 
-    translate_piece = None
+    builders = {m: make_builder(m, target) for m in modes if m != "translated"}
     if "translated" in modes:
-        from mot_cag.pipeline.translation import piece_translator
+        from mot_cag.pipeline.translation import translated_builder
 
-        translate_piece = piece_translator(source, target, translator=req.translator)
-    builders = {m: make_builder(m, target, translate_piece) for m in modes}
+        builders["translated"] = translated_builder(source, target, req.translator, req.injection)
     evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
     pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
     tick = progress(len(examples), 0) if progress else None
     report, results = evaluate(examples, evaluator, pieces_for, tick)
     report = {"n": report["n"], "source": source.name if source else None, "target": target.name,
               "modes": report["modes"], "retention": report["retention"], "skipped": report["skipped"],
-              "dataset": req.dataset}
+              "dataset": req.dataset, "injection": req.injection if "translated" in modes else None}
     return report, results
 
 

@@ -45,10 +45,13 @@ class Asker:
         device: Torch device.
         translator: Translator folder (default: the one found for the pair).
         max_new_tokens: Generation budget.
+        injection: How translated caches enter the target (``auto``, ``direct``, ``replay``, ``replay-joint``;
+            see :func:`~mot_cag.pipeline.translation.translated_builder`).
     """
 
     def __init__(self, store: str, target: str | LoadedModel, mode: str = "translated",
-                 device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48):
+                 device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48,
+                 injection: str = "auto"):
         if mode not in MODES:
             raise MotCagError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
         self.store = open_store(store)
@@ -56,16 +59,18 @@ class Asker:
         self.max_new_tokens = max_new_tokens
         self.target = target if isinstance(target, LoadedModel) else load_model(target, device=device)
         self.source_name = self.store.source.name
-        translate_piece = None
+        self.injection = injection
         if mode == "translated":
-            from mot_cag.pipeline.translation import piece_translator
+            from mot_cag.pipeline.translation import check_injection_name, translated_builder
 
+            check_injection_name(injection)
             source = load_model(self.source_name, weights=False)
             if source.fingerprint != self.store.source.fingerprint:
                 raise MotCagError(f"Model '{self.source_name}' on this machine differs from the one that made store "
                                   f"{self.store.root}; re-ingest the documents.")
-            translate_piece = piece_translator(source, self.target, translator=translator)
-        self.builder: ContextBuilder = make_builder(mode, self.target, translate_piece)
+            self.builder: ContextBuilder = translated_builder(source, self.target, translator, injection)
+        else:
+            self.builder = make_builder(mode, self.target)
 
     def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None,
             hits: list | None = None) -> AskResult:
@@ -92,18 +97,17 @@ class Asker:
             loaded = [(p, p.source_kv()) for p in pieces]
             pieces = [Piece(p.text, p.key, source_kv=lambda c=c: c) for p, c in loaded]
             t_load = time.perf_counter() - t1
-        t2 = time.perf_counter()
         ctx = self.builder.build(pieces)
-        t_context = time.perf_counter() - t2
         suffix = encode(self.target.tokenizer, qa_suffix(question))
         if ctx.tokens + len(suffix) + 8 > self.target.layout.max_positions:
             raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit "
                               f"{self.target.name}'s {self.target.layout.max_positions} positions; lower --top-k.")
         answer, ttft = self._generate(ctx.kv, suffix, t0, on_text)
         total = time.perf_counter() - t0
+        # translate_s: translating the chunks; prefill_s: target passes over the context (direct, native
+        # chunks, and the replay of replay injection).
         timings = {"retrieve_s": t_retrieve, "load_s": t_load,
-                   "translate_s": t_context if self.mode == "translated" else 0.0,
-                   "prefill_s": t_context if self.mode != "translated" else 0.0,
+                   "translate_s": ctx.timings.get("translate_s", 0.0), "prefill_s": ctx.timings.get("prefill_s", 0.0),
                    "ttft_s": ttft, "total_s": total}
         chunks = [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text} for h in hits]
         return AskResult(answer, self.target.name, self.source_name, self.mode, chunks, timings, ctx.tokens)

@@ -8,7 +8,10 @@ scores differ only by how the cache was obtained:
 - ``direct``: the target prefills the concatenated text itself, one pass (cross-chunk attention included);
 - ``native-chunks``: the target prefills each piece separately and the pieces are joined (RoPE: moved by
   rotation, cached per piece; absolute positions: prefilled at their global position);
-- ``translated``: the source model's KV of each piece is translated into the target's cache space;
+- ``translated``: the source model's KV of each piece is translated into the target's cache space, and either
+  used as it is (``direct`` injection), replayed piece by piece (``replay``), or replayed once over all pieces
+  together (``replay-joint``: the target re-runs over the whole context with translated K/V in its window layers,
+  so cross-chunk attention is restored in the layers it recomputes);
 - ``none``: no context at all (only BOS).
 """
 
@@ -19,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
 
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
@@ -54,6 +59,7 @@ class TargetContext:
     kv: kv.KVChunk | None
     tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)  # the context's target token ids (BOS included)
 
 
 class LRU(OrderedDict):
@@ -107,7 +113,7 @@ class NoneContext(ContextBuilder):
     def build(self, pieces: list[Piece]) -> TargetContext:
         t0 = time.perf_counter()
         chunk = self._bos_chunk()
-        return TargetContext(chunk, len(self.bos), {"prefill_s": time.perf_counter() - t0})
+        return TargetContext(chunk, len(self.bos), {"prefill_s": time.perf_counter() - t0}, list(self.bos))
 
 
 class DirectContext(ContextBuilder):
@@ -121,7 +127,7 @@ class DirectContext(ContextBuilder):
         for p in pieces:
             ids += self.piece_ids(p)
         chunk = kv.prefill(self.target.model, as_tensor(ids, self.device)) if ids else None
-        return TargetContext(chunk, len(ids), {"prefill_s": time.perf_counter() - t0})
+        return TargetContext(chunk, len(ids), {"prefill_s": time.perf_counter() - t0}, ids)
 
 
 class _JoinedChunks(ContextBuilder):
@@ -144,12 +150,15 @@ class _JoinedChunks(ContextBuilder):
     def build(self, pieces: list[Piece]) -> TargetContext:
         t0 = time.perf_counter()
         parts = [c for c in [self._bos_chunk()] if c is not None]
+        parts = [self.head_part(c) for c in parts]
         pos = len(self.bos)
+        all_ids = list(self.bos)
         rope = self.target.layout.positions == "rope"
         for p in pieces:
             ids = self.piece_ids(p)
             if not ids:
                 continue
+            all_ids += ids
             if rope:
                 at0 = self.cache.get_or(p.cache_key, lambda p=p, ids=ids: self.make(p, ids, 0))
                 parts.append(self.positioner.reposition(at0, pos))
@@ -158,7 +167,11 @@ class _JoinedChunks(ContextBuilder):
                 parts.append(self.cache.get_or(key, lambda p=p, ids=ids, pos=pos: self.make(p, ids, pos)))
             pos += len(ids)
         chunk = kv.join(parts) if parts else None
-        return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0})
+        return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids)
+
+    def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
+        """The BOS chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
+        return chunk
 
 
 class NativeChunksContext(_JoinedChunks):
@@ -193,6 +206,49 @@ class TranslatedContext(_JoinedChunks):
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
         return self.translate_piece(piece, start)
+
+
+class ReplayJointContext(TranslatedContext):
+    """Translated pieces replayed together: the paper's replay injection over the whole retrieved context.
+
+    Each piece's translated K/V of the replay window's layers is made as in :class:`TranslatedContext`
+    (cached per piece), the pieces are joined after the target's own BOS K/V, and the target runs once over
+    all context tokens with those K/V substituted in the window layers. Layers below the window compute the
+    target's own K/V with attention across pieces; layers above re-read the translated window. The pass costs
+    about one target prefill of the context, reported as ``prefill_s``.
+
+    Args:
+        target: The answering model.
+        translate_piece: ``(piece, start) -> KVChunk`` of the translator's target layers (see
+            :func:`~mot_cag.translate.inject.injected_kv`), at positions ``start..``.
+        layers: Target layer of each row of ``translate_piece``'s chunks.
+        window: Target layers whose K/V are substituted in the replay.
+        cache: LRU of translated pieces.
+    """
+
+    def __init__(self, target: LoadedModel, translate_piece: TranslateFn, layers: list[int], window: list[int],
+                 cache: LRU | None = None):
+        super().__init__(target, translate_piece, cache)
+        if not set(window) <= set(layers):
+            raise ValueError(f"replay window {window} is not among the translated layers {layers}")
+        self.layers = list(layers)
+        self.window = list(window)
+
+    def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
+        idx = torch.tensor(self.layers, device=chunk.keys.device)
+        return kv.KVChunk(chunk.keys[idx], chunk.values[idx], chunk.start)  # (n, H, T, D)
+
+    def build(self, pieces: list[Piece]) -> TargetContext:
+        joined = super().build(pieces)
+        if joined.kv is None or not joined.ids:
+            return joined
+        t0 = time.perf_counter()
+        rows = {t: i for i, t in enumerate(self.layers)}
+        substitute = {t: (joined.kv.keys[rows[t]], joined.kv.values[rows[t]]) for t in self.window}  # (H, T, D)
+        with torch.no_grad():
+            _, chunk = kv.replay_forward(self.target.model, as_tensor(joined.ids, self.device), substitute, start=0)
+        joined.timings["prefill_s"] = time.perf_counter() - t0
+        return TargetContext(chunk, joined.tokens, joined.timings, joined.ids)
 
 
 def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bool:

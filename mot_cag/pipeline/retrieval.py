@@ -22,9 +22,18 @@ def open_store(path: str):
     return store
 
 
+def context_order(hits) -> list:
+    """Hits in the order the target reads them: documents from least to most relevant (the best one next to
+    the question), the chunks of one document in reading order."""
+    best: dict[str, float] = {}
+    for h in hits:
+        best[h.doc] = max(best.get(h.doc, float("-inf")), h.score)
+    return sorted(hits, key=lambda h: (best[h.doc], h.doc, h.chunk_index))
+
+
 def hits_to_pieces(store, hits, device: torch.device | str = "cpu", verify: bool = True) -> list[Piece]:
-    """Pieces in reading order (document, then chunk index), each loading its source KV on demand."""
-    ordered = sorted(hits, key=lambda h: (h.doc, h.chunk_index))
+    """Pieces in :func:`context_order`, each loading its source KV on demand."""
+    ordered = context_order(hits)
     return [Piece(h.text, key=h.key, source_kv=lambda h=h: store.load(h.key, device=device, dtype=torch.float32,
                                                                        verify=verify))
             for h in ordered]

@@ -14,6 +14,8 @@ Injection:
   context (it only computes leading target-only tokens such as OPT's ``</s>``, whose KV is context-free).
 * ``replay`` (the paper's): the target re-runs over the context tokens with translated K/V substituted in the
   window layers and returns its own recomputed cache.
+* ``replay-joint``: the same replay, run once over all retrieved chunks together (assembled by
+  :mod:`mot_cag.pipeline.context`), so the re-run layers also attend across chunks.
 """
 
 from __future__ import annotations
@@ -102,6 +104,52 @@ def translated_window(
     return keys, values
 
 
+def injected_kv(
+    translator: Translator,
+    source_chunk: KVChunk,
+    W: torch.Tensor,
+    target_lm,
+    tgt_ids: torch.Tensor,
+    target_start: int = 0,
+) -> KVChunk:
+    """Translated K/V of the translator's target layers (``config.layers.target_layers``) for ``tgt_ids``.
+
+    Leading target-only tokens (OPT's ``</s>``) get the target's own K/V, which is context-free and exact.
+    For a direct translator the chunk covers every target layer and is a complete cache; for a replay
+    translator it covers the window layers only.
+
+    Returns:
+        A :class:`KVChunk` ``[len(target_layers), H_tgt, T_tgt, D_tgt]`` at ``start=target_start``.
+    """
+    cfg = translator.config
+    model = getattr(target_lm, "model", target_lm)
+    tgt_ids = tgt_ids.view(-1)
+    if W.shape[0] != tgt_ids.shape[0]:
+        raise ValueError(f"alignment has {W.shape[0]} target rows but {tgt_ids.shape[0]} target ids were given")
+    native = leading_unaligned(W)
+    # Only rows with source text are translated; the translator sees the chunk from its first text token.
+    emb = target_embeddings(translator, model, tgt_ids[native:])
+    keys, values = translated_window(translator, source_chunk, W[native:], target_start + native, emb)  # (n,H,T,D)
+    if native:
+        with torch.no_grad():
+            _, head = forward(model, tgt_ids[:native], None, start=target_start)
+        idx = torch.tensor(cfg.layers.target_layers, device=head.keys.device)
+        head_k = head.keys[idx].to(device=keys.device, dtype=keys.dtype)
+        head_v = head.values[idx].to(device=keys.device, dtype=keys.dtype)
+        keys = torch.cat([head_k, keys], dim=2)  # (n, H, T, D)
+        values = torch.cat([head_v, values], dim=2)
+    return KVChunk(keys, values, target_start)
+
+
+def window_substitutes(translator: Translator, chunk: KVChunk) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{target layer: (keys, values)}`` of the replay window, from a chunk of :func:`injected_kv`'s layers.
+
+    Each tensor is ``[H_tgt, T, D_tgt]``, ready for :func:`~mot_cag.models.cache.replay_forward`.
+    """
+    lm = translator.config.layers
+    return {lm.target_layers[i]: (chunk.keys[i], chunk.values[i]) for i in lm.window_positions()}
+
+
 def translate(
     translator: Translator,
     source_chunk: KVChunk,
@@ -133,34 +181,25 @@ def translate(
     """
     cfg = translator.config
     mode = mode or cfg.mode
-    if mode not in ("direct", "replay"):
-        raise TranslatorError(f"Unknown injection mode '{mode}'; use direct or replay.")
+    check_injection(translator, mode)
+    if mode == "replay-joint":
+        raise TranslatorError("replay-joint injection runs over a whole context, not one chunk; use "
+                              "mot_cag.pipeline.translation.translated_builder.")
+    chunk = injected_kv(translator, source_chunk, W, target_lm, tgt_ids, target_start)
+    if mode == "direct":
+        return chunk
+    model = getattr(target_lm, "model", target_lm)
+    _, replayed = replay_forward(model, tgt_ids.view(-1), window_substitutes(translator, chunk), start=target_start)
+    return replayed
+
+
+def check_injection(translator: Translator, mode: str) -> None:
+    """Raise a clear error when ``translator`` cannot inject in ``mode`` (``direct``, ``replay``, ``replay-joint``)."""
+    cfg = translator.config
+    if mode not in ("direct", "replay", "replay-joint"):
+        raise TranslatorError(f"Unknown injection mode '{mode}'; use direct, replay or replay-joint.")
     if mode == "direct" and cfg.mode == "replay":
         raise TranslatorError(
             f"Translator {cfg.source} -> {cfg.target} was trained for replay (window layers only) and cannot "
-            "inject directly; use --mode replay or train one with `mot-cag train --mode direct`."
+            "inject directly; use --injection replay or train one with `mot-cag train --mode direct`."
         )
-    model = getattr(target_lm, "model", target_lm)
-    tgt_ids = tgt_ids.view(-1)
-    if W.shape[0] != tgt_ids.shape[0]:
-        raise ValueError(f"alignment has {W.shape[0]} target rows but {tgt_ids.shape[0]} target ids were given")
-    native = leading_unaligned(W)
-    # Only rows with source text are translated; the translator sees the chunk from its first text token.
-    emb = target_embeddings(translator, model, tgt_ids[native:])
-    keys, values = translated_window(translator, source_chunk, W[native:], target_start + native, emb)  # (n,H,T,D)
-    if native:
-        # Leading target-only tokens (OPT's </s>) attend only to themselves: the target's own KV is exact.
-        with torch.no_grad():
-            _, head = forward(model, tgt_ids[:native], None, start=target_start)
-        idx = torch.tensor(cfg.layers.target_layers, device=head.keys.device)
-        head_k = head.keys[idx].to(device=keys.device, dtype=keys.dtype)
-        head_v = head.values[idx].to(device=keys.device, dtype=keys.dtype)
-        keys = torch.cat([head_k, keys], dim=2)  # (n, H, T, D)
-        values = torch.cat([head_v, values], dim=2)
-    if mode == "direct":
-        return KVChunk(keys, values, target_start)
-    lm = cfg.layers
-    window = range(lm.window_start, lm.window_start + lm.window_width)
-    substitute = {t: (keys[i], values[i]) for i, t in enumerate(lm.target_layers) if t in window}
-    _, chunk = replay_forward(model, tgt_ids, substitute, start=target_start)
-    return chunk
