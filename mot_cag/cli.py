@@ -32,6 +32,12 @@ out = Console()
 err = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
+RecomputeOpt = Annotated[float | None, typer.Option(
+    help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
+         "context (CacheBlend-style; native-chunks and translated modes). 0 = off.")]
+RecomputePolicyOpt = Annotated[str | None, typer.Option(
+    help="Which tokens --recompute picks: deviation (largest layer-1 K/V deviation from a partial single pass), "
+         "start (first tokens of each chunk) or spread (evenly spaced).")]
 InjectionOpt = Annotated[str | None, typer.Option(
     help="How translated caches enter the target: auto (= replay-joint), direct (translated K/V are the cache; "
          "fastest), replay (the target re-runs each chunk with translated K/V in its window layers) or "
@@ -173,13 +179,13 @@ def _zoo_spec(name: str):
     try:
         return get_spec(name)
     except KeyError as e:
-        raise MotCagError(f"{e.args[0]} (`mot-cag zoo train` builds zoo models only).") from None
+        raise MotCagError(e.args[0]) from None
 
 
 @zoo_app.command("train")
 def zoo_train(
     name: Annotated[str, typer.Argument(help="Zoo model: gpt2-mini, opt-mini, qwen2-mini or qwen2-small.")],
-    steps: Annotated[int | None, typer.Option(help="Total optimizer steps (a resumed run continues to it; 6000).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Total steps; a resumed run continues to it (6000).")] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default 2).")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     long_every: Annotated[int | None, typer.Option(help="Every n-th step trains on ~1000-token documents (4).")] = None,
@@ -200,21 +206,26 @@ def zoo_train(
         "--export-only", help="Export the latest checkpoint (no training) and exit.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train a zoo model from scratch with the recipe (seeded; CPU or CUDA), resuming from its last checkpoint.
+    """Train a zoo model from scratch with its recipe (seeded; CPU or CUDA), resuming from its last checkpoint.
 
     Exports go to RUNS_DIR/NAME/export unless --export-dir says otherwise, so the shipped weights (which the
     bundled translators were trained against) change only when `--export-only` promotes a checkpoint."""
     from pathlib import Path
 
+    from transformers.utils import logging as hf_logging
+
     from mot_cag.zoo.models import model_dir
     from mot_cag.zoo.train import RUNS_DIR, TrainConfig, export_latest, train
 
     _zoo_spec(name)
+    hf_logging.disable_progress_bar()
     runs = Path(runs_dir) if runs_dir else RUNS_DIR
     if export_only:
         path = export_latest(name, runs, Path(export_dir) if export_dir else model_dir(name))
-        _print_json({"name": name, "export_dir": str(path)}) if as_json else out.print(
-            f"exported the latest {name} checkpoint to {path}", highlight=False, soft_wrap=True)
+        if as_json:
+            _print_json({"name": name, "export_dir": str(path)})
+        else:
+            out.print(f"exported the latest {name} checkpoint to {path}", highlight=False, soft_wrap=True)
         return
     given = {"steps": steps, "threads": threads, "long_every": long_every, "tokens_per_step": tokens_per_step,
              "lr": lr, "eval_every": eval_every, "eval_n": eval_n, "ckpt_every": ckpt_every,
@@ -241,26 +252,29 @@ def zoo_eval(
         help="Zoo names or exported model folders (default: every shipped zoo model).")] = None,
     n: Annotated[int, typer.Option(help="Examples per task.")] = 100,
     seed: Annotated[int, typer.Option(help="Data seed (held-out strings either way).")] = 9001,
-    long_tokens: Annotated[int, typer.Option(help="Context tokens of the needle and multi-key tasks (0: skip).")] = 1000,
+    long_tokens: Annotated[int, typer.Option(help="Context of needle and multi-key (0: skip).")] = 1000,
     threads: Annotated[int, typer.Option(help="CPU threads.")] = 2,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
-    """Quick held-out evaluation of zoo models, with the document and without it (direct / none): repeat token
-    accuracy, QA exact match and NLL, closed-set accuracy, needle and multi-key; one table row per model."""
+    """Quick held-out evaluation of zoo models, one table row per model (the columns of zoo/EVAL.md).
+
+    Each cell is with the document / without it (direct / none): repeat token accuracy, QA exact match and
+    NLL, closed-set accuracy, needle and multi-key exact match."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from mot_cag.device import pick_device
     from mot_cag.zoo.models import ZOO, model_dir
-    from mot_cag.zoo.quick_eval import eval_models, load_for_eval, summary_line, table
+    from mot_cag.zoo.quick_eval import eval_folder, eval_models, summary_line, table
 
     if n < 1 or threads < 1 or long_tokens < 0:
         raise MotCagError("--n and --threads must be positive and --long-tokens at least 0.")
     names = models or [z for z in ZOO if (model_dir(z) / "config.json").is_file()]
     for name in names:  # fail before minutes of evaluation, not after
-        if name not in ZOO and not (Path(name) / "config.json").is_file():
-            load_for_eval(name)
+        eval_folder(name)
     torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
     results = eval_models(names, n=n, seed=seed, long_tokens=long_tokens or None, device=pick_device(device),
                           on_result=lambda name, res: err.print(f"{name}: {summary_line(res)}", highlight=False,
                                                                 soft_wrap=True))
@@ -287,6 +301,8 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of synthetic datasets.")] = 0,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
     injection: InjectionOpt = "auto",
+    recompute: RecomputeOpt = 0.0,
+    recompute_policy: RecomputePolicyOpt = "deviation",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     details: Annotated[str | None, typer.Option(help="Write per-example results to this JSONL file.")] = None,
     plot: Annotated[str | None, typer.Option(help="Save a bar chart of the scores per mode (PNG).")] = None,
@@ -300,7 +316,8 @@ def eval_cmd(
     from mot_cag.evaluation.run import EvalRequest, run_eval
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
-                      limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto")
+                      limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto",
+                      recompute=recompute or 0.0, recompute_policy=recompute_policy or "deviation")
     with _progress(not as_json) as progress:
         report, results = run_eval(req, progress=progress)
     if details:
@@ -428,26 +445,36 @@ StoreOpt = Annotated[str, typer.Option("--store", help="Store folder.")]
 @app.command("ingest")
 def ingest_cmd(
     paths: Annotated[list[str], typer.Argument(help="Files or folders (.txt, .md; folders are read recursively).")],
-    store: StoreOpt = "stores/default",
-    source: Annotated[str | None, typer.Option(help="Source model (default: the store's, else qwen2-mini).")] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(help="Chunk size in source tokens (default 256).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="KV dtype of a new store: float16, bfloat16, float32.")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="Store folder (default from the pipeline).")] = None,
+    source: Annotated[str | None, typer.Option(
+        help="Source model (default: the store's, else the pipeline's).")] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(
+        help="Chunk size in source tokens (default: the store's, else the pipeline's).")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="KV dtype of a new store: float16, bfloat16, float32 (default from the pipeline).")] = None,
     embedder: Annotated[str | None, typer.Option(
-        help="Embedder of a new store: all-MiniLM-L6-v2 (default), hash, or a sentence-transformers folder.")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
+        help="Embedder of a new store: all-MiniLM-L6-v2, hash, or a sentence-transformers folder (default from the "
+             "pipeline).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto (default from the pipeline).")] = None,
     wait: Annotated[float | None, typer.Option(
         help="Seconds to wait for another ingest writing the store (default: as long as it takes).")] = None,
+    pipeline: Annotated[str | None, typer.Option(
+        "--pipeline", help="Pipeline TOML (default pipelines/default.toml): store; a new store's settings.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prefill documents once with the source model and keep their KV caches, embedded and indexed.
-    Idempotent and resumable: unchanged files add nothing; an interrupted run continues where it stopped."""
+    Idempotent and resumable: unchanged files add nothing; an interrupted run continues where it stopped.
+    A new store takes its source, chunking, dtype and embedder from the options, else the pipeline; an existing
+    store keeps its own."""
+    from mot_cag.config import PipelineConfig
     from mot_cag.device import pick_device
     from mot_cag.ingest import ingest
     from mot_cag.store.progress import RichIngestProgress
 
+    cfg = PipelineConfig.from_file(pipeline)
     with RichIngestProgress(err) as bar:
-        res = ingest(paths, store, source, chunk_tokens=chunk_tokens, dtype=dtype, embedder=embedder,
-                     device=pick_device(device), lock_timeout=wait, progress=bar)
+        res = ingest(paths, store or cfg.store, source, chunk_tokens=chunk_tokens, dtype=dtype, embedder=embedder,
+                     device=pick_device(device or cfg.device), lock_timeout=wait, progress=bar, pipeline=cfg)
     if as_json:
         _print_json(res.to_json())
         return
@@ -515,6 +542,8 @@ def ask_cmd(
     top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
     mode: Annotated[str | None, typer.Option(help="translated, direct, native-chunks or none.")] = None,
     injection: InjectionOpt = None,
+    recompute: RecomputeOpt = None,
+    recompute_policy: RecomputePolicyOpt = None,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Generation budget.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto.")] = None,
@@ -526,12 +555,15 @@ def ask_cmd(
     from mot_cag.config import PipelineConfig
     from mot_cag.device import pick_device
     from mot_cag.pipeline.ask import Asker
+    from mot_cag.pipeline.context import Recompute
 
     cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode, injection=injection,
+                                                      recompute=recompute, recompute_policy=recompute_policy,
                                                       max_new_tokens=max_new_tokens, device=device)
     target = target or cfg.targets[0]
     asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
-                  max_new_tokens=cfg.max_new_tokens, injection=cfg.injection)
+                  max_new_tokens=cfg.max_new_tokens, injection=cfg.injection,
+                  recompute=Recompute(cfg.recompute, cfg.recompute_policy))
     stream = (not as_json) and out.is_terminal
     if stream:
         out.print(f"[bold]{asker.target.name}[/bold] ({cfg.mode}): ", end="")

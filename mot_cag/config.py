@@ -14,6 +14,7 @@ from mot_cag.errors import MotCagError
 DEFAULT_PIPELINE = Path("pipelines/default.toml")
 MODES = ("translated", "direct", "native-chunks", "none")
 INJECTIONS = ("auto", "direct", "replay", "replay-joint")
+RECOMPUTE_POLICIES = ("deviation", "start", "spread")
 
 
 @dataclass
@@ -30,6 +31,9 @@ class PipelineConfig:
         mode: Default context mode of ``ask``.
         injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
             (each chunk replayed by the target) or ``replay-joint`` (one replay over all retrieved chunks).
+        recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
+            cross-chunk repair of joined caches; 0 = off).
+        recompute_policy: Which tokens: ``deviation``, ``start`` or ``spread``.
         targets: Target models this pipeline is meant for (the demo asks each).
         max_new_tokens: Generation budget of ``ask``.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
@@ -43,6 +47,8 @@ class PipelineConfig:
     top_k: int = 4
     mode: str = "translated"
     injection: str = "auto"
+    recompute: float = 0.0
+    recompute_policy: str = "deviation"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48
     device: str = "auto"
@@ -52,6 +58,11 @@ class PipelineConfig:
             raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
         if self.injection not in INJECTIONS:
             raise MotCagError(f"Pipeline injection '{self.injection}' is unknown; use one of {', '.join(INJECTIONS)}.")
+        if not 0.0 <= self.recompute <= 1.0:
+            raise MotCagError(f"Pipeline recompute must be a fraction in [0, 1], got {self.recompute}.")
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise MotCagError(f"Pipeline recompute_policy '{self.recompute_policy}' is unknown; use one of "
+                              f"{', '.join(RECOMPUTE_POLICIES)}.")
         if self.top_k < 1:
             raise MotCagError(f"Pipeline top_k must be at least 1, got {self.top_k}.")
         if self.chunk_tokens < 8:

@@ -98,3 +98,40 @@ def test_translated_builder_picks_injection(tiny_models, tmp_path):
     with pytest.raises(TranslatorError, match="replay"):
         translated_builder(s, t, replay_only, "direct")
     assert isinstance(translated_builder(s, t, replay_only, "auto"), ReplayJointContext)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_recompute_everything_turns_joined_chunks_into_a_single_pass(tiny_models, fam):
+    """The repair setting reaches the builders: ratio 1 recomputes every token (= direct), 0 leaves the
+    joined caches alone, and a partial ratio changes only the chosen rows."""
+    from mot_cag.pipeline.context import Recompute
+
+    m = tiny_models[fam]
+    pieces = [Piece(t) for t in PIECES]
+    direct = DirectContext(m).build(pieces)
+    plain = NativeChunksContext(m).build(pieces)
+    full = NativeChunksContext(m, recompute=Recompute(1.0, "spread")).build(pieces)
+    torch.testing.assert_close(full.kv.keys, direct.kv.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full.kv.values, direct.kv.values, atol=1e-4, rtol=1e-4)
+    off = NativeChunksContext(m, recompute=Recompute(0.0)).build(pieces)
+    assert torch.equal(off.kv.keys, plain.kv.keys)
+    some = NativeChunksContext(m, recompute=Recompute(0.2, "start")).build(pieces)
+    changed = (some.kv.keys != plain.kv.keys).any(dim=(0, 1, 3))  # (T,)
+    second = plain.piece_starts[1]
+    assert changed[second] and not changed[:second].any()  # the second piece's first token, nothing before it
+    dev = NativeChunksContext(m, recompute=Recompute(0.2, "deviation")).build(pieces)
+    assert (dev.kv.keys - direct.kv.keys).abs().max() < (plain.kv.keys - direct.kv.keys).abs().max()
+
+
+def test_recompute_settings_are_validated():
+    from mot_cag.config import PipelineConfig
+    from mot_cag.pipeline.context import Recompute
+
+    with pytest.raises(MotCagError, match="fraction"):
+        Recompute(1.5)
+    with pytest.raises(MotCagError, match="policy"):
+        Recompute(0.1, "random")
+    with pytest.raises(MotCagError, match="recompute"):
+        PipelineConfig(recompute=-0.1)
+    with pytest.raises(MotCagError, match="injection"):
+        PipelineConfig(injection="sideways")

@@ -87,7 +87,8 @@ def _load_jsonl(path: Path) -> list[dict]:
     try:
         ds = _datasets().load_dataset("json", data_files=str(path), split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for bad JSON
-        raise MotCagError(f"Cannot read {path} as JSONL ({type(e).__name__}); each line must be one JSON object.")
+        raise MotCagError(f"Cannot read {path} as JSONL ({type(e).__name__}); each line must be one JSON object.") \
+            from None
     return [dict(r) for r in ds]
 
 

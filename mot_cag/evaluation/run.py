@@ -11,7 +11,7 @@ from mot_cag.errors import MotCagError
 from mot_cag.evaluation.datasets import load_examples
 from mot_cag.evaluation.runner import Evaluator, ExampleResult, evaluate
 from mot_cag.models.registry import LoadedModel, load_model
-from mot_cag.pipeline.context import MODES, Piece, make_builder
+from mot_cag.pipeline.context import MODES, Piece, Recompute, make_builder
 
 
 @dataclass
@@ -30,6 +30,8 @@ class EvalRequest:
     translator: str | None = None
     max_new_tokens: int = 24
     injection: str = "auto"
+    recompute: float = 0.0
+    recompute_policy: str = "deviation"
 
 
 def default_modes(source: str | None) -> list[str]:
@@ -72,18 +74,20 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     if not examples:
         raise MotCagError(f"Dataset {req.dataset} has no examples.")
 
-    builders = {m: make_builder(m, target) for m in modes if m != "translated"}
+    repair = Recompute(req.recompute, req.recompute_policy)
+    builders = {m: make_builder(m, target, recompute=repair) for m in modes if m != "translated"}
     if "translated" in modes:
         from mot_cag.pipeline.translation import translated_builder
 
-        builders["translated"] = translated_builder(source, target, req.translator, req.injection)
+        builders["translated"] = translated_builder(source, target, req.translator, req.injection, recompute=repair)
     evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
     pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
     tick = progress(len(examples), 0) if progress else None
     report, results = evaluate(examples, evaluator, pieces_for, tick)
     report = {"n": report["n"], "source": source.name if source else None, "target": target.name,
               "modes": report["modes"], "retention": report["retention"], "skipped": report["skipped"],
-              "dataset": req.dataset, "injection": req.injection if "translated" in modes else None}
+              "dataset": req.dataset, "injection": req.injection if "translated" in modes else None,
+              "recompute": {"ratio": req.recompute, "policy": req.recompute_policy} if req.recompute else None}
     return report, results
 
 

@@ -334,3 +334,158 @@ def replay_forward(
     out = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(start, ids.shape[1], ids.device),
                 cache=cache, use_cache=True)
     return out.logits[0], from_dynamic_cache(cache, start=start)
+
+
+# ------------------------------------------------------------------------ selective recompute (CacheBlend)
+# Chunks prefilled separately and joined miss cross-chunk attention. CacheBlend repairs a joined cache by
+# recomputing the K/V of a few tokens against the whole joined cache; mot_cag.models.recompute chooses them.
+
+#: Attention implementations known to apply a user-given 4D additive mask as is (flash kernels ignore it).
+_CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def _selected_rows(indices: Sequence[int] | torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """``indices`` as a sorted ``[n_sel]`` long tensor without duplicates, checked against ``n_tokens``."""
+    sel = torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu()
+    sel = torch.unique(sel)  # sorted, duplicates removed
+    if sel.numel() and (int(sel[0]) < 0 or int(sel[-1]) >= n_tokens):
+        bad = [i for i in sel.tolist() if not 0 <= i < n_tokens]
+        raise ValueError(
+            f"recompute indices {bad[:5]} are out of range for a chunk of {n_tokens} tokens; indices are "
+            f"chunk-relative and must lie in [0, {n_tokens})."
+        )
+    return sel
+
+
+def _recompute_mask(sel: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask ``[1, 1, n_sel, n_tokens + n_sel]`` for the selected tokens' queries.
+
+    Key columns are the chunk's ``n_tokens`` cached entries followed by the ``n_sel`` freshly computed ones
+    (a forward pass appends the new K/V to the cache before attending). A selected query at position ``p``
+    sees cached entries at positions ``<= p`` except the selected ones (stale: their fresh versions replace
+    them) and fresh entries of selected tokens at positions ``<= p``. 0 = attend, ``finfo.min`` = hidden;
+    additive rather than bool because eager attention adds the mask to the scores.
+    """
+    query = sel[:, None]  # (S, 1)
+    stale = torch.zeros(n_tokens, dtype=torch.bool, device=sel.device)
+    stale[sel] = True
+    past = (torch.arange(n_tokens, device=sel.device)[None, :] <= query) & ~stale[None, :]  # (S, T)
+    fresh = sel[None, :] <= query  # (S, S)
+    allowed = torch.cat([past, fresh], dim=1)  # (S, T + S)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, *allowed.shape)
+
+
+@torch.no_grad()
+def selective_recompute(
+    model,
+    chunk: KVChunk,
+    input_ids: torch.Tensor,
+    indices: Sequence[int] | torch.Tensor,
+) -> KVChunk:
+    """Recompute the K/V of chosen tokens of a (joined) chunk against the whole chunk, in every layer.
+
+    Each selected token's query attends to every earlier token (unselected: its K/V from ``chunk``;
+    selected: its recomputed K/V) and to itself: exactly what a single-pass prefill would give if every
+    unselected token's K/V were the given ones. Selecting all tokens therefore equals a fresh prefill. Costs
+    one forward pass of the selected tokens over ``chunk.length + n_sel`` keys.
+
+    Args:
+        model: A Hugging Face causal LM with ``sdpa`` or ``eager`` attention (custom masks).
+        chunk: KV of ``input_ids`` (same length), ``chunk.start`` = global position of ``input_ids[0]``; on the
+            model's device. Not modified.
+        input_ids: ``[seq]`` or ``[1, seq]`` token ids the chunk covers.
+        indices: Chunk-relative token indices to recompute; sorted and de-duplicated here.
+
+    Returns:
+        A new chunk of the same shape and start: recomputed rows at ``indices``, the others bit-for-bit
+        copies of ``chunk``'s.
+
+    Raises:
+        ValueError: ``input_ids`` and ``chunk`` differ in length, or an index is out of range.
+        MotCagError: The model's attention implementation ignores custom masks.
+    """
+    ids = input_ids.reshape(-1)
+    n_tokens = chunk.length
+    if ids.shape[0] != n_tokens:
+        raise ValueError(f"input_ids has {ids.shape[0]} tokens but the chunk covers {n_tokens}; pass the ids the "
+                         "chunk was prefilled from.")
+    sel = _selected_rows(indices, n_tokens)
+    keys, values = chunk.keys.clone(), chunk.values.clone()
+    if sel.numel() == 0:
+        return KVChunk(keys, values, chunk.start)
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn not in _CUSTOM_MASK_ATTENTION:
+        raise MotCagError(
+            f"Selective recompute needs custom attention masks, which '{attn}' attention ignores; load the model "
+            f"with attn_implementation set to one of {', '.join(_CUSTOM_MASK_ATTENTION)}."
+        )
+    device = model.device
+    sel_dev = sel.to(device)
+    cache = to_dynamic_cache(chunk, model.config)
+    model(
+        input_ids=ids.to(device)[sel_dev].view(1, -1),  # (1, S)
+        attention_mask=_recompute_mask(sel_dev, n_tokens, model.dtype),
+        # Explicit global positions: OPT would otherwise derive them from the (here 4D) mask.
+        position_ids=(chunk.start + sel_dev).view(1, -1),  # (1, S)
+        cache=cache,
+        use_cache=True,
+    )
+    fresh = from_dynamic_cache(cache, begin=n_tokens)  # the appended entries: (L, H, S, D)
+    sel_rows = sel.to(keys.device)
+    keys[:, :, sel_rows] = fresh.keys.to(device=keys.device, dtype=keys.dtype)
+    values[:, :, sel_rows] = fresh.values.to(device=values.device, dtype=values.dtype)
+    return KVChunk(keys, values, chunk.start)
+
+
+class _StopForward(Exception):
+    """Raised inside a forward pass once the wanted layer's K/V are known."""
+
+
+class _LayerCapturingCache(DynamicCache):
+    """A ``DynamicCache`` that keeps the new K/V of one layer and then aborts the forward pass."""
+
+    def __init__(self, config, layer: int):
+        super().__init__(config=config)
+        self._layer = layer
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == self._layer:
+            self.captured = (key_states, value_states)
+            raise _StopForward
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@torch.no_grad()
+def layer_kv(model, input_ids: torch.Tensor, layer: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of one layer as a single-pass prefill of ``input_ids`` at ``start..`` computes them, cheaply.
+
+    Runs layers ``0 .. layer - 1`` in full and ``layer`` up to its K/V projection, then stops: the rest of that
+    layer, the layers above and the LM head are skipped, so it costs about ``(layer + 1) / layers`` of a
+    prefill's transformer blocks.
+
+    Args:
+        model: A Hugging Face causal LM.
+        input_ids: ``[seq]`` or ``[1, seq]`` token ids.
+        layer: Decoder layer index, ``0 <= layer < layers``.
+        start: Global position of ``input_ids[0]``.
+
+    Returns:
+        ``(keys, values)``, each ``[kv_heads, seq, head_dim]`` (RoPE keys rotated at ``start..``).
+    """
+    n_layers = model.config.num_hidden_layers
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} does not exist: this model has layers 0..{n_layers - 1}.")
+    ids = input_ids.view(1, -1).to(model.device)
+    cache = _LayerCapturingCache(model.config, layer)
+    mask = torch.ones(1, ids.shape[1], dtype=torch.long, device=ids.device)
+    try:
+        model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(start, ids.shape[1], ids.device),
+              cache=cache, use_cache=True)
+    except _StopForward:
+        pass
+    if cache.captured is None:
+        raise MotCagError(f"The model never wrote layer {layer}'s K/V to its cache; it cannot be probed this way.")
+    keys, values = cache.captured
+    return keys[0], values[0]  # (1, H, T, D) -> (H, T, D)

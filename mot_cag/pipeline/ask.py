@@ -11,7 +11,7 @@ import torch
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel, load_model
-from mot_cag.pipeline.context import MODES, ContextBuilder, Piece, make_builder
+from mot_cag.pipeline.context import MODES, ContextBuilder, Piece, Recompute, make_builder
 from mot_cag.pipeline.retrieval import hits_to_pieces, open_store
 from mot_cag.prompts import as_tensor, encode, qa_suffix
 
@@ -47,11 +47,12 @@ class Asker:
         max_new_tokens: Generation budget.
         injection: How translated caches enter the target (``auto``, ``direct``, ``replay``, ``replay-joint``;
             see :func:`~mot_cag.pipeline.translation.translated_builder`).
+        recompute: Cross-chunk repair of joined caches (native-chunks and translated modes; default off).
     """
 
     def __init__(self, store: str, target: str | LoadedModel, mode: str = "translated",
                  device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48,
-                 injection: str = "auto"):
+                 injection: str = "auto", recompute: Recompute | None = None):
         if mode not in MODES:
             raise MotCagError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
         self.store = open_store(store)
@@ -68,9 +69,10 @@ class Asker:
             if source.fingerprint != self.store.source.fingerprint:
                 raise MotCagError(f"Model '{self.source_name}' on this machine differs from the one that made store "
                                   f"{self.store.root}; re-ingest the documents.")
-            self.builder: ContextBuilder = translated_builder(source, self.target, translator, injection)
+            self.builder: ContextBuilder = translated_builder(source, self.target, translator, injection,
+                                                              recompute=recompute)
         else:
-            self.builder = make_builder(mode, self.target)
+            self.builder = make_builder(mode, self.target, recompute=recompute)
 
     def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None,
             hits: list | None = None) -> AskResult:

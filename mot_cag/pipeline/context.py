@@ -25,12 +25,53 @@ from typing import Literal
 
 import torch
 
+from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
 from mot_cag.prompts import as_tensor, bos_ids, encode
 
 Mode = Literal["translated", "direct", "native-chunks", "none"]
 MODES: tuple[str, ...] = ("translated", "direct", "native-chunks", "none")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("deviation", "start", "spread")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Cross-chunk repair of joined caches: recompute a fraction of the tokens against the whole context.
+
+    Attributes:
+        ratio: Fraction of context tokens recomputed (0 = off, 1 = a full prefill).
+        policy: ``deviation`` (CacheBlend: tokens whose layer-1 K/V deviate most from a partial single pass),
+            ``start`` (the first tokens of every piece after the first) or ``spread`` (evenly spaced).
+    """
+
+    ratio: float = 0.0
+    policy: str = "deviation"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise MotCagError(f"--recompute must be a fraction in [0, 1] (e.g. 0.1), got {self.ratio}.")
+        if self.policy not in RECOMPUTE_POLICIES:
+            raise MotCagError(f"Unknown recompute policy '{self.policy}'; choose one of "
+                              f"{', '.join(RECOMPUTE_POLICIES)}.")
+
+    def apply(self, model, ctx: TargetContext) -> TargetContext:
+        """``ctx`` with the chosen tokens' K/V recomputed (unchanged when the ratio is 0)."""
+        if self.ratio == 0 or ctx.kv is None or not ctx.ids:
+            return ctx
+        from mot_cag.models.recompute import deviation_indices, recompute_indices
+
+        t0 = time.perf_counter()
+        ids = as_tensor(ctx.ids, ctx.kv.keys.device)
+        if self.policy == "deviation":
+            idx = deviation_indices(model, ctx.kv, ids, self.ratio)
+        else:
+            idx = recompute_indices(self.policy, ctx.kv.length, self.ratio, ctx.piece_starts or [0])
+        with torch.no_grad():
+            chunk = kv.selective_recompute(model, ctx.kv, ids, idx)
+        timings = dict(ctx.timings)
+        timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
+        return TargetContext(chunk, ctx.tokens, timings, ctx.ids, ctx.piece_starts)
 
 
 @dataclass
@@ -60,6 +101,7 @@ class TargetContext:
     tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)  # the context's target token ids (BOS included)
+    piece_starts: list[int] = field(default_factory=list)  # where each separately made part begins (BOS + first: 0)
 
 
 class LRU(OrderedDict):
@@ -140,24 +182,33 @@ class _JoinedChunks(ContextBuilder):
 
     timing = "prefill_s"
 
-    def __init__(self, target: LoadedModel, cache: LRU | None = None):
+    def __init__(self, target: LoadedModel, cache: LRU | None = None, recompute: Recompute | None = None):
         super().__init__(target)
         self.cache = cache if cache is not None else LRU()
+        self.recompute = recompute or Recompute()
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def build(self, pieces: list[Piece]) -> TargetContext:
+        """The joined context, repaired by :attr:`recompute` when its ratio is above 0."""
+        return self.recompute.apply(self.target.model, self.join(pieces))
+
+    def join(self, pieces: list[Piece]) -> TargetContext:
+        """Each piece's cache made (or taken from the LRU) and placed after the previous one."""
         t0 = time.perf_counter()
         parts = [c for c in [self._bos_chunk()] if c is not None]
         parts = [self.head_part(c) for c in parts]
         pos = len(self.bos)
         all_ids = list(self.bos)
+        starts: list[int] = [0]
         rope = self.target.layout.positions == "rope"
         for p in pieces:
             ids = self.piece_ids(p)
             if not ids:
                 continue
+            if len(all_ids) > len(self.bos):
+                starts.append(pos)
             all_ids += ids
             if rope:
                 at0 = self.cache.get_or(p.cache_key, lambda p=p, ids=ids: self.make(p, ids, 0))
@@ -167,7 +218,7 @@ class _JoinedChunks(ContextBuilder):
                 parts.append(self.cache.get_or(key, lambda p=p, ids=ids, pos=pos: self.make(p, ids, pos)))
             pos += len(ids)
         chunk = kv.join(parts) if parts else None
-        return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids)
+        return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids, starts)
 
     def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
         """The BOS chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
@@ -200,8 +251,9 @@ class TranslatedContext(_JoinedChunks):
     mode = "translated"
     timing = "translate_s"
 
-    def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None):
-        super().__init__(target, cache)
+    def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None,
+                 recompute: Recompute | None = None):
+        super().__init__(target, cache, recompute)
         self.translate_piece = translate_piece
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
@@ -227,8 +279,8 @@ class ReplayJointContext(TranslatedContext):
     """
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, layers: list[int], window: list[int],
-                 cache: LRU | None = None):
-        super().__init__(target, translate_piece, cache)
+                 cache: LRU | None = None, recompute: Recompute | None = None):
+        super().__init__(target, translate_piece, cache, recompute)
         if not set(window) <= set(layers):
             raise ValueError(f"replay window {window} is not among the translated layers {layers}")
         self.layers = list(layers)
@@ -238,8 +290,8 @@ class ReplayJointContext(TranslatedContext):
         idx = torch.tensor(self.layers, device=chunk.keys.device)
         return kv.KVChunk(chunk.keys[idx], chunk.values[idx], chunk.start)  # (n, H, T, D)
 
-    def build(self, pieces: list[Piece]) -> TargetContext:
-        joined = super().build(pieces)
+    def join(self, pieces: list[Piece]) -> TargetContext:
+        joined = super().join(pieces)
         if joined.kv is None or not joined.ids:
             return joined
         t0 = time.perf_counter()
@@ -248,7 +300,7 @@ class ReplayJointContext(TranslatedContext):
         with torch.no_grad():
             _, chunk = kv.replay_forward(self.target.model, as_tensor(joined.ids, self.device), substitute, start=0)
         joined.timings["prefill_s"] = time.perf_counter() - t0
-        return TargetContext(chunk, joined.tokens, joined.timings, joined.ids)
+        return TargetContext(chunk, joined.tokens, joined.timings, joined.ids, joined.piece_starts)
 
 
 def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bool:
@@ -256,16 +308,18 @@ def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bo
     return tokens + reserve <= target.layout.max_positions
 
 
-def make_builder(mode: str, target: LoadedModel, translate_piece: TranslateFn | None = None) -> ContextBuilder:
-    """The builder of a mode name (``translated`` needs ``translate_piece``)."""
+def make_builder(mode: str, target: LoadedModel, translate_piece: TranslateFn | None = None,
+                 recompute: Recompute | None = None) -> ContextBuilder:
+    """The builder of a mode name (``translated`` needs ``translate_piece``; ``recompute`` applies to the modes
+    that join separately made caches, native-chunks and translated)."""
     if mode == "none":
         return NoneContext(target)
     if mode == "direct":
         return DirectContext(target)
     if mode == "native-chunks":
-        return NativeChunksContext(target)
+        return NativeChunksContext(target, recompute=recompute)
     if mode == "translated":
         if translate_piece is None:
             raise ValueError("translated mode needs a translate_piece function")
-        return TranslatedContext(target, translate_piece)
+        return TranslatedContext(target, translate_piece, recompute=recompute)
     raise ValueError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")

@@ -9,7 +9,7 @@ import torch
 from mot_cag.errors import MotCagError
 from mot_cag.models.cache import KVChunk, Positioner
 from mot_cag.models.registry import LoadedModel
-from mot_cag.pipeline.context import LRU, Piece, ReplayJointContext, TranslatedContext, TranslateFn
+from mot_cag.pipeline.context import LRU, Piece, Recompute, ReplayJointContext, TranslatedContext, TranslateFn
 
 INJECTIONS: tuple[str, ...] = ("auto", "direct", "replay", "replay-joint")
 AUTO_INJECTION = "replay-joint"
@@ -105,6 +105,7 @@ def translated_builder(
     translator: str | Path | None = None,
     injection: str = "auto",
     cache: LRU | None = None,
+    recompute: Recompute | None = None,
 ) -> TranslatedContext:
     """The ``translated`` context builder of a pair with the chosen injection.
 
@@ -116,13 +117,14 @@ def translated_builder(
             ``replay-joint`` (one replay over all pieces), or ``auto`` (:data:`AUTO_INJECTION`). Ignored when
             the target is the source model (its stored caches are used as they are).
         cache: LRU of translated pieces (shared across builders of one target, optional).
+        recompute: Cross-chunk repair applied to the assembled context (default: off).
 
     Raises:
         MotCagError: Unknown injection; TranslatorError: a translator that cannot inject that way.
     """
     check_injection_name(injection)
     if same_model(source, target):
-        return TranslatedContext(target, piece_translator(source, target), cache)
+        return TranslatedContext(target, piece_translator(source, target), cache, recompute)
     from mot_cag.translate.inject import check_injection
 
     tr = _load(source, target, translator)
@@ -132,8 +134,8 @@ def translated_builder(
         lm = tr.config.layers
         window = [lm.target_layers[i] for i in lm.window_positions()]
         fn = piece_translator(source, target, translator=tr, window_only=True)
-        return ReplayJointContext(target, fn, list(lm.target_layers), window, cache)
-    return TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode), cache)
+        return ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute)
+    return TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode), cache, recompute)
 
 
 def _source_kv(piece: Piece) -> KVChunk:
