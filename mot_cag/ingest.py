@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from mot_cag.config import PipelineConfig
 from mot_cag.errors import StoreError
 from mot_cag.models.cache import prefill
 from mot_cag.store.chunker import Chunker
-from mot_cag.store.embed import DEFAULT_EMBEDDER, canonical_name, make_embedder
+from mot_cag.store.embed import canonical_name, make_embedder
 from mot_cag.store.manifest import DocChunk
 from mot_cag.store.reader import SkippedFile, SourceFile, discover, file_sha256, read_blocks
 from mot_cag.store.store import (
@@ -49,8 +50,8 @@ from mot_cag.store.store import (
 if TYPE_CHECKING:
     from mot_cag.models.registry import LoadedModel
 
-#: Source model used when neither the caller nor an existing store names one.
-DEFAULT_SOURCE = "qwen2-mini"
+#: Source model of a new store when neither the caller nor a pipeline names one.
+DEFAULT_SOURCE = PipelineConfig.source
 
 
 class IngestProgress(Protocol):
@@ -126,20 +127,24 @@ def ingest(
     lock_timeout: float | None = None,
     progress: IngestProgress | None = None,
     index_save_every_s: float = 60.0,
+    pipeline: PipelineConfig | None = None,
 ) -> IngestResult:
     """Ingest documents into a store, creating it when absent; resumable and idempotent.
 
     Args:
         paths: Files and folders (read recursively: ``.txt``, ``.md``).
         store: Store folder.
-        source: Source model; defaults to the store's own, or :data:`DEFAULT_SOURCE` for a new store.
-        chunk_tokens: Chunk size in source tokens (default: the store's, 256 for a new store).
-        dtype: KV dtype for a new store (``float16`` default); an existing store keeps its own.
-        embedder: Embedder for a new store (default all-MiniLM-L6-v2); an existing store keeps its own.
+        source: Source model; defaults to the store's own, or the pipeline's for a new store.
+        chunk_tokens: Chunk size in source tokens (default: the store's, the pipeline's for a new store).
+        dtype: KV dtype for a new store (default: the pipeline's); an existing store keeps its own.
+        embedder: Embedder for a new store (default: the pipeline's); an existing store keeps its own.
         device: Where the source model prefills.
         lock_timeout: Seconds to wait for another writer (``None``: wait as long as it takes).
         progress: Progress receiver.
         index_save_every_s: Save the index at least this often during long ingests.
+        pipeline: Settings of a new store (``source``, ``chunk_tokens``, ``kv_dtype``, ``embedder``) where
+            the arguments above are ``None``; default :class:`~mot_cag.config.PipelineConfig` (qwen2-mini,
+            256 tokens, float16, all-MiniLM-L6-v2). An existing store ignores it and keeps what it recorded.
 
     Raises:
         StoreError: Nothing readable to ingest; the store belongs to another source model, embedder or dtype;
@@ -156,7 +161,7 @@ def ingest(
     fresh = not root.exists()
     try:
         result = _ingest_locked(files, skipped, root, source, chunk_tokens, dtype, embedder, device, lock_timeout,
-                                progress, index_save_every_s)
+                                progress, index_save_every_s, pipeline or PipelineConfig())
     finally:
         if fresh and not Store.exists(root):
             # Nothing was created (the model was missing, say): leave no empty store folder behind.
@@ -175,7 +180,7 @@ def ingest(
 def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Path, source: str | None,
                    chunk_tokens: int | None, dtype: str | None, embedder: str | None, device: torch.device | str,
                    lock_timeout: float | None, progress: IngestProgress | None,
-                   index_save_every_s: float) -> IngestResult:
+                   index_save_every_s: float, pipeline: PipelineConfig) -> IngestResult:
     """The part of :func:`ingest` that runs under the writer lock."""
     from mot_cag.models.layout import KVLayout
     from mot_cag.models.registry import fingerprint, load_config, load_model
@@ -183,22 +188,24 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
     note = progress.note if progress is not None else None
     with WriterLock(root, timeout=lock_timeout, on_wait=note):
         existing = Store.read_config(root) if Store.exists(root) else None
-        src_name = source or (existing.source.name if existing else DEFAULT_SOURCE)
+        # The pipeline only fills in a new store: an existing one keeps the settings it was made with.
+        src_name = source or (existing.source.name if existing else pipeline.source)
         ref, hf_config = load_config(src_name)
         try:
             layout = KVLayout.from_config(hf_config)
         except ValueError as e:
             raise StoreError(str(e)) from None
-        emb_name = canonical_name(embedder) if embedder else (existing.embedder if existing else DEFAULT_EMBEDDER)
+        emb_name = canonical_name(embedder) if embedder else (
+            existing.embedder if existing else canonical_name(pipeline.embedder))
         # A new store records the embedding size, so the embedder must be loaded now; an existing one knows it.
         emb = make_embedder(emb_name) if existing is None else None
         config = StoreConfig(
             # A local folder is recorded absolute so the store names a model that resolves from anywhere.
             StoreSource(str(ref.path) if ref.origin == "local" else src_name, fingerprint(ref.path), layout),
-            dtype=dtype or (existing.dtype if existing else "float16"),
+            dtype=dtype or (existing.dtype if existing else pipeline.kv_dtype),
             embedder=emb_name,
             embed_dim=emb.dim if emb is not None else existing.embed_dim,  # type: ignore[union-attr]
-            chunk_tokens=existing.chunk_tokens if existing else (chunk_tokens or 256),
+            chunk_tokens=existing.chunk_tokens if existing else (chunk_tokens or pipeline.chunk_tokens),
         )
         with Store.open_for_write(root, config, embedder=emb) as st:
             # The store keeps the name it was made with: `--source` may be another alias of the same weights.

@@ -343,3 +343,30 @@ def test_open_reader_sees_chunks_ingested_later(store, tmp_path):
         ingest([docs], store)
         hits = reader.search("Pell Anwick smith", k=3)
         assert hits[0].doc.endswith("pell.txt") and len({h.key for h in hits}) == len(hits)
+
+
+def test_pipeline_file_sets_a_new_store_and_an_existing_store_keeps_its_own(tmp_path, tiny_dir, monkeypatch, capsys):
+    docs = write_corpus(tmp_path / "docs")
+    first = tmp_path / "first.toml"
+    first.write_text(f'[pipeline]\nstore = "{tmp_path / "from-pipeline"}"\nsource = "{tiny_dir / "tiny-qwen2"}"\n'
+                     'chunk_tokens = 24\nkv_dtype = "float32"\nembedder = "hash"\ndevice = "cpu"\n')
+    code, out, err = run_cli(monkeypatch, capsys, "ingest", str(docs), "--pipeline", str(first), "--json")
+    assert code == 0, err
+    store = tmp_path / "from-pipeline"
+    assert json.loads(out)["store"] == str(store)
+    made = Store.read_config(store)
+    assert (made.chunk_tokens, made.dtype, made.embedder) == (24, "float32", "hash-256")
+    assert made.source.name == str(tiny_dir / "tiny-qwen2")
+
+    # Another pipeline naming the same store: its source, chunking, dtype and embedder are not applied to it.
+    second = tmp_path / "second.toml"
+    second.write_text(f'[pipeline]\nstore = "{store}"\nsource = "{tiny_dir / "tiny-opt"}"\nchunk_tokens = 64\n'
+                      'kv_dtype = "float16"\nembedder = "all-MiniLM-L6-v2"\ndevice = "cpu"\n')
+    (docs / "pell.txt").write_text("Pell Anwick was born in Sorrow Ford. Pell Anwick works as a smith. " * 4 + "\n")
+    code, out, err = run_cli(monkeypatch, capsys, "ingest", str(docs), "--pipeline", str(second), "--json")
+    assert code == 0, err
+    assert json.loads(out)["chunks_added"] >= 2 and Store.read_config(store) == made
+    with Store.open(store) as st:
+        doc = st.manifest.document(str(docs / "pell.txt"))
+        sizes = [len(st.chunk_info(c.key).token_ids) for c in st.manifest.doc_chunks(doc.id)]
+    assert max(sizes) <= 24 and len(sizes) >= 2

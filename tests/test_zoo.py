@@ -146,3 +146,58 @@ def test_exact_match_stop_rule():
     assert _ends_answer(".", None) and _ends_answer(".\n", None) and _ends_answer("\n", None)
     assert _ends_answer("</s>", "</s>")
     assert not _ends_answer("fish", None) and not _ends_answer(" Bra", None)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``mot-cag ARGS`` in-process through ``main()`` (errors become stderr lines and exit codes)."""
+    import sys
+
+    from mot_cag.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["mot-cag", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = int(e.code or 0)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_zoo_cli_help(monkeypatch, capsys, command):
+    code, out, _ = run_cli(monkeypatch, capsys, "zoo", command, "--help")
+    assert code == 0 and "--json" in out and ("--steps" in out if command == "train" else "--long-tokens" in out)
+
+
+@pytest.mark.parametrize(
+    "args", [["train", "llama-mini"], ["eval", "llama-mini"], ["train", "qwen2-mini", "--export-only"]]
+)
+def test_zoo_cli_errors_are_one_line(monkeypatch, capsys, tmp_path, args):
+    runs = ["--runs-dir", str(tmp_path)] if args[0] == "train" else []  # an empty runs folder: no checkpoint
+    code, out, err = run_cli(monkeypatch, capsys, "zoo", *args, *runs)
+    assert code == 1 and out == "" and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert ("checkpoint" in err) if "--export-only" in args else ("llama-mini" in err and "qwen2-mini" in err)
+
+
+def test_zoo_cli_train_resumes_from_its_checkpoint(monkeypatch, capsys, tmp_path):
+    threads = torch.get_num_threads()
+    runs, export = tmp_path / "runs", tmp_path / "export"
+    tiny = ["--tokens-per-step", "256", "--eval-n", "1", "--threads", "1", "--device", "cpu",
+            "--runs-dir", str(runs), "--export-dir", str(export), "--json"]
+    try:
+        code, out, err = run_cli(monkeypatch, capsys, "zoo", "train", "qwen2-mini", "--steps", "2", *tiny)
+        assert code == 0, err
+        assert json.loads(out)["step"] == 2 and "start at step 0 -> 2" in err
+        code, out, err = run_cli(monkeypatch, capsys, "zoo", "train", "qwen2-mini", "--steps", "3", *tiny)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    assert json.loads(out)["step"] == 3 and "start at step 2 -> 3" in err
+    assert json.loads((runs / "qwen2-mini" / "ckpt" / "state.json").read_text())["step"] == 3
+    assert json.loads((export / "card.json").read_text())["steps"] == 3
+    steps = [json.loads(x)["step"] for x in (runs / "qwen2-mini" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]  # one evaluation record per run: the second did not start again from 0

@@ -12,6 +12,8 @@ Not the product's ``mot-cag eval`` (built separately); this is the recipe's own 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mot_cag.data.synthetic import synth_dataset
@@ -188,15 +190,83 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def eval_folder(name_or_dir: str) -> Path:
+    """The folder of a zoo model (by name: its shipped folder) or of an exported model.
+
+    Raises:
+        MotCagError: Neither a zoo name with shipped weights nor a folder holding a saved model.
+    """
+    from mot_cag.errors import MotCagError
+    from mot_cag.zoo.models import ZOO, model_dir
+
+    folder = model_dir(name_or_dir) if name_or_dir in ZOO else Path(name_or_dir)
+    if not (folder / "config.json").is_file():
+        what = f"Zoo model {name_or_dir} has no weights in {folder}" if name_or_dir in ZOO else (
+            f"'{name_or_dir}' is neither a zoo model ({', '.join(ZOO)}) nor a folder holding a saved model")
+        raise MotCagError(f"{what}; train or export it with `mot-cag zoo train NAME`.")
+    return folder
+
+
+def load_for_eval(name_or_dir: str, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, object, int | None]:
+    """Load a zoo model or an exported folder (see :func:`eval_folder`) for :func:`quick_eval`.
+
+    Returns:
+        ``(model, tokenizer, steps)``: the model in fp32 and eval mode on ``device``, its tokenizer, and the
+        training steps from its ``card.json`` (``None`` without a card).
+
+    Raises:
+        MotCagError: Neither a zoo name with shipped weights nor a folder holding a saved model.
+    """
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = eval_folder(name_or_dir)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).float().eval().to(device)
+    card = folder / "card.json"
+    steps = json.loads(card.read_text())["steps"] if card.exists() else None
+    return model, tok, steps
+
+
+def eval_models(
+    names: list[str],
+    n: int = 100,
+    seed: int = 9001,
+    long_tokens: int | None = 1000,
+    device: torch.device | str = "cpu",
+    on_result=None,
+) -> dict[str, dict]:
+    """:func:`quick_eval` (with needle and multi-key) of several models, each loaded by :func:`load_for_eval`.
+
+    Args:
+        names: Zoo names or model folders.
+        n: Examples per task.
+        seed: Data seed.
+        long_tokens: Context length of the needle and multi-key tasks (``None`` or 0: skip them).
+        device: Where the models run.
+        on_result: Called as ``on_result(name, result)`` after each model (progress).
+
+    Returns:
+        ``{name: quick_eval result plus "steps"}`` in the order given; :func:`table` renders it.
+    """
+    results = {}
+    for name in names:
+        model, tok, steps = load_for_eval(name, device)
+        res = quick_eval(model, tok, n=n, seed=seed, long_tokens=long_tokens, multikey=True)
+        res["steps"] = steps
+        results[name] = res
+        if on_result is not None:
+            on_result(name, res)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m mot_cag.zoo.quick_eval [NAME_OR_DIR ...] [--n N] [--seed S] [--long-tokens T] [--json F]``."""
     import argparse
     import json
-    from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mot_cag.zoo.models import ZOO, model_dir
+    from mot_cag.zoo.models import ZOO
 
     ap = argparse.ArgumentParser(description="Quick held-out evaluation of zoo models (direct / none).")
     ap.add_argument("models", nargs="*", default=list(ZOO))
@@ -207,16 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    results = {}
-    for name in a.models:
-        folder = model_dir(name) if name in ZOO else Path(name)
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder).float().eval()
-        res = quick_eval(model, tok, n=a.n, seed=a.seed, long_tokens=a.long_tokens, multikey=True)
-        card = folder / "card.json"
-        res["steps"] = json.loads(card.read_text())["steps"] if card.exists() else None
-        results[name] = res
-        print(name, summary_line(res), flush=True)
+    results = eval_models(a.models, n=a.n, seed=a.seed, long_tokens=a.long_tokens,
+                          on_result=lambda name, res: print(name, summary_line(res), flush=True))
     print(table(results))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
@@ -228,6 +290,9 @@ if __name__ == "__main__":
 
 __all__ = [
     "quick_eval",
+    "eval_models",
+    "load_for_eval",
+    "eval_folder",
     "qa_metrics",
     "closed_metrics",
     "repeat_metrics",

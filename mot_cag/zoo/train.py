@@ -1,6 +1,6 @@
 """The zoo recipe: train one zoo model from scratch (or resume it), log, checkpoint and export.
 
-One command rebuilds a model::
+One command rebuilds a model (``mot-cag zoo train`` is the same with exports under ``runs/`` by default)::
 
     python -m mot_cag.zoo.train qwen2-mini --steps 6000            # fresh or resumed automatically
     python -m mot_cag.zoo.train qwen2-mini --export-only           # export the latest checkpoint
@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mot_cag.errors import MotCagError
 from mot_cag.zoo.batches import ROLE_ANSWER, ROLE_COPY, Curriculum, make_batch
 from mot_cag.zoo.circuits import init_copy_circuit
 from mot_cag.zoo.models import ZooSpec, get_spec, make_config, model_dir
@@ -177,10 +178,16 @@ def train(
 
     Returns:
         The final run state (step, wall time, last evaluation).
+
+    Raises:
+        KeyError: ``name`` is not a zoo model.
+        MotCagError: ``init_from`` is not an exported zoo model; CUDA was asked for but is not available.
     """
     from mot_cag.device import pick_device
 
     spec = get_spec(name)
+    if init_from is not None:
+        _check_export(Path(init_from))
     torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
     run = _run_dir(name, runs_dir)
@@ -286,8 +293,19 @@ def train(
     return state
 
 
+def _check_export(folder: Path) -> None:
+    if not (folder / "card.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise MotCagError(f"{folder} is not an exported zoo model (card.json and model.safetensors missing); "
+                          "pass a folder such as mot_cag/zoo/models/NAME to --init-from.")
+
+
 def _init_from_export(folder: Path, model, state: dict) -> dict:
-    """Load exported (fp16) weights into ``model`` and take step count and wall time from its card."""
+    """Load exported (fp16) weights into ``model`` and take step count and wall time from its card.
+
+    Raises:
+        MotCagError: ``folder`` is not an exported zoo model (no ``card.json`` or weights).
+    """
+    _check_export(folder)
     exported = AutoModelForCausalLM.from_pretrained(folder).float()
     model.load_state_dict(exported.state_dict())
     card = json.loads((folder / "card.json").read_text())
@@ -321,11 +339,17 @@ def make_card(name: str, state: dict) -> dict:
 
 
 def export_latest(name: str, runs_dir: Path | None = None, out_dir: Path | None = None) -> Path:
-    """Export the latest checkpoint of a run to the zoo folder (no training)."""
+    """Export the latest checkpoint of a run to the zoo folder (no training).
+
+    Raises:
+        MotCagError: The run has no checkpoint yet.
+    """
     spec = get_spec(name)
+    ckpt = _run_dir(name, runs_dir) / "ckpt"
+    if not (ckpt / "state.json").is_file():
+        raise MotCagError(f"No checkpoint of {name} in {ckpt}; train it first (or pass the --runs-dir it used).")
     tok = load_tokenizer(spec.family)
     model, _ = build_model(spec, tok)
-    ckpt = _run_dir(name, runs_dir) / "ckpt"
     model.load_state_dict(load_file(ckpt / "model.safetensors"))
     state = json.loads((ckpt / "state.json").read_text())
     return export_model(name, model, tok, make_card(name, state), out_dir)
