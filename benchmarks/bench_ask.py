@@ -1,6 +1,7 @@
 """Time to first token: translated caches vs the target reading the text (direct), same run.
 
     .venv/bin/python benchmarks/bench_ask.py [--source qwen2-mini] [--targets ...] [--lengths 1024 2048 4096]
+        [--injection auto|direct|replay|replay-joint]
 
 For each target and context length (retrieved tokens, in ~256-token chunks of synthetic documents), measures
 the median over repeats of: direct (target prefills the text, then the first answer token), translated cold
@@ -22,8 +23,8 @@ import torch
 from mot_cag.data.synthetic import WorldBuilder, render_document
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import load_model
-from mot_cag.pipeline.context import LRU, DirectContext, Piece, TranslatedContext
-from mot_cag.pipeline.translation import piece_translator
+from mot_cag.pipeline.context import LRU, DirectContext, Piece
+from mot_cag.pipeline.translation import translated_builder
 from mot_cag.prompts import as_tensor, encode, qa_suffix
 
 
@@ -54,11 +55,15 @@ def first_token_s(target, builder, pieces, suffix) -> tuple[float, int]:
     return elapsed, ctx.kv.keys.numel() * 2 * ctx.kv.keys.element_size() if ctx.kv is not None else 0
 
 
-def translator_for(source, target):
+def translator_for(source, target) -> tuple[str | None, str]:
+    """The translator folder to time (``None``: the pair's own) and what it is."""
     if source.fingerprint == target.fingerprint:
-        return piece_translator(source, target), "same model (stored chunks as they are)"
+        return None, "same model (stored chunks as they are)"
+    from mot_cag.translate.checkpoint import find_translator, load_translator
+
     try:
-        return piece_translator(source, target), "trained"
+        load_translator(find_translator(source.name, target.name), source, target)
+        return None, "trained"
     except Exception:  # noqa: BLE001 - no trained translator: time an untrained one of the same shape
         import tempfile
 
@@ -67,7 +72,7 @@ def translator_for(source, target):
 
         tmp = tempfile.mkdtemp()
         save_translator(build_translator(source, target), tmp)
-        return piece_translator(source, target, translator=tmp), "untrained"
+        return tmp, "untrained"
 
 
 def main() -> None:
@@ -77,18 +82,19 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument("--injection", default="auto", help="auto, direct, replay or replay-joint")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     source = load_model(args.source)
     suffix_text = qa_suffix("Where was Ana Brell born?", "Ana Brell was born in")
-    print(f"source {source.name}; median of {args.repeats}; times in seconds")
+    print(f"source {source.name}; injection {args.injection}; median of {args.repeats}; times in seconds")
     print(f"{'target':>12} {'tokens':>6} {'direct':>8} {'transl':>8} {'warm':>8} {'tr/dir':>7} {'warm/dir':>8} "
           f"{'ctx MB':>7}  translator")
     for name in args.targets:
         target = load_model(name)
-        fn, status = translator_for(source, target)
+        path, status = translator_for(source, target)
         suffix = encode(target.tokenizer, suffix_text)
         longest = target.layout.max_positions - len(suffix) - 16
         lengths = sorted({n for n in args.lengths if n <= longest} | {longest})
@@ -98,7 +104,7 @@ def main() -> None:
                 pieces.pop()
             direct = DirectContext(target)
             cache = LRU()
-            translated = TranslatedContext(target, fn, cache)
+            translated = translated_builder(source, target, path, args.injection, cache)
             d, t, w = [], [], []
             nbytes = 0
             first_token_s(target, direct, pieces, suffix)  # warm-up: allocator, kernels
