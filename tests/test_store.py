@@ -146,23 +146,28 @@ def test_large_index_becomes_ivf_and_still_finds_vectors(monkeypatch):
     assert found >= 27  # approximate search: nprobe lists out of ~100, the vector itself nearly always found
 
 
-def test_one_read_loader_matches_safetensors_and_rejects_damage(tmp_path):
+def test_mapped_loader_matches_safetensors_and_rejects_damage(tmp_path):
     import torch
+    from safetensors.torch import load_file
 
     from mot_cag.errors import StoreError
     from mot_cag.models.cache import KVChunk
     from mot_cag.models.layout import KVLayout
-    from mot_cag.store.chunkfile import load_chunk, read_chunk_tensors, save_chunk
+    from mot_cag.store.chunkfile import load_chunk, read_chunk_tensors, read_metadata, save_chunk
 
     layout = KVLayout("qwen2", "qwen2", 2, 2, 4, 8, 32, "rope", 0, 512, 10000.0, "default")
     kv = KVChunk(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), 0)
     path = tmp_path / "c.safetensors"
-    save_chunk(path, kv, layout, metadata={"text": "Ana Brell"})
+    save_chunk(path, kv, layout, metadata={"text": "Ana Brell"}, token_ids=[5, 6, 7, 8, 9], text="Ana Brell")
     tensors, meta = read_chunk_tensors(path)
-    ref, ref_meta = load_chunk(path)
-    assert torch.equal(tensors["keys"], ref.keys) and torch.equal(tensors["values"], ref.values)
-    assert meta == ref_meta and meta["text"] == "Ana Brell"
+    ref = load_file(str(path))  # safetensors' own reader
+    assert set(tensors) == set(ref) == {"keys", "values", "token_ids", "text_utf8"}
+    assert all(torch.equal(tensors[k], ref[k]) and tensors[k].dtype == ref[k].dtype for k in ref)
+    chunk, chunk_meta = load_chunk(path, verify=True)
+    assert torch.equal(chunk.keys, ref["keys"]) and torch.equal(chunk.values, ref["values"])
+    assert meta == chunk_meta == read_metadata(path) and meta["text"] == "Ana Brell"
     raw = path.read_bytes()
+    path.unlink()  # damage comes as new files: the tensors above still map the old one
     path.write_bytes(raw[:-7])  # truncated
     with pytest.raises(StoreError, match="damaged"):
         read_chunk_tensors(path)

@@ -51,7 +51,9 @@ LOCK_FILE = "writer.lock"
 DEFAULT_STORE = "stores/default"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
-#: Chunk-file metadata fields covered by ``meta_checksum`` (the tensor checksum covers the tensors).
+#: Chunk-file metadata fields covered by ``meta_checksum`` (a field absent counts as ``""``). ``token_ids`` and
+#: ``text`` are metadata only in chunk format 1; format 2 stores them as tensors, covered by the tensor checksum
+#: (:func:`~mot_cag.store.chunkfile.chunk_checksum`) with the KV.
 _META_FIELDS = ("key", "source", "fingerprint", "token_ids", "text", "doc", "chunk_index", "char_start",
                 "char_end", "special_tokens")
 
@@ -239,7 +241,16 @@ class WrittenChunk:
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """A stored chunk's identity and source-side content (what translators need besides the KV)."""
+    """A stored chunk's identity and source-side content (what translators need besides the KV).
+
+    Attributes:
+        key: Chunk key.
+        text: Its text.
+        token_ids: Its source token ids (no special tokens).
+        start: Position it was prefilled at (0 in a store).
+        path: The chunk file.
+        meta: The file's safetensors metadata (chunk format 2 keeps the token ids and text out of it).
+    """
 
     key: str
     text: str
@@ -435,10 +446,10 @@ class Store:
              verify: bool = False) -> KVChunk:
         """The KV of chunk ``key``, prefilled at position 0: keys/values ``[layers, kv_heads, seq, head_dim]``.
 
-        The file is read with one ``readinto`` and the tensors are views of that buffer
-        (:func:`~mot_cag.store.chunkfile.read_chunk_tensors`): no second copy, no second open for the metadata.
-        Measured against ``safe_open`` (memory map, then a copy per tensor) this loads chunk files about twice
-        as fast; ``verify`` takes the checked path of :func:`~mot_cag.store.chunkfile.load_chunk`.
+        The tensors are views of a private memory map of the file
+        (:func:`~mot_cag.store.chunkfile.read_chunk_tensors`): nothing is copied until they are used (or moved to
+        ``device`` / cast to ``dtype``), and the token ids and text in the file are not decoded. ``verify``
+        hashes the file's tensors (KV, token ids, text) against its checksum first.
 
         Args:
             key: Chunk key from :meth:`search`.
@@ -449,28 +460,41 @@ class Store:
         Raises:
             StoreError: Unknown key, missing or damaged file.
         """
-        path = self.file(key)
-        if not path.is_file():
-            raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "
-                             f"`mot-cag store verify --store {self.root}`.")
-        if verify:
-            chunk, _ = chunkfile.load_chunk(path, device=device, dtype=dtype, verify=True)
-            return chunk
-        tensors, meta = chunkfile.read_chunk_tensors(path)
+        path = f"{self.root}/{chunk_relpath(key)}"  # a string: building a Path costs more than the stat
         try:
+            tensors, meta = chunkfile.read_chunk_tensors(path, None if verify else chunkfile.KV_TENSORS)
+        except chunkfile.ChunkFileMissing:
+            raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "
+                             f"`mot-cag store verify --store {self.root}`.") from None
+        try:
+            if verify and chunkfile.chunk_checksum(tensors) != meta.get("checksum"):
+                raise StoreError(f"Chunk file {path} fails its checksum; run `mot-cag store verify --store "
+                                 f"{self.root}` and re-ingest.")
             chunk = KVChunk(tensors["keys"], tensors["values"], int(meta["start"]))
         except (KeyError, ValueError) as e:
             raise StoreError(f"Chunk file {path} is damaged ({e}); run `mot-cag store verify --store {self.root}`.") \
                 from None
-        if dtype is not None or torch.device(device).type != "cpu":
+        if dtype is not None or (device != "cpu" and torch.device(device).type != "cpu"):
             chunk = chunk.to(device=device, dtype=dtype)
         return chunk
 
     def chunk_info(self, key: str) -> ChunkInfo:
-        """Text, token ids and metadata of chunk ``key`` (no tensors read)."""
-        meta = chunkfile.read_metadata(self.file(key))
-        return ChunkInfo(key, meta["text"], json.loads(meta["token_ids"]), int(meta["start"]),
-                         str(self.file(key)), meta)
+        """Text, token ids and metadata of chunk ``key`` (the KV is not read).
+
+        Raises:
+            StoreError: Missing or damaged file.
+        """
+        path = self.file(key)
+        try:
+            ids, text, meta = chunkfile.read_content(path)
+            start = int(meta["start"])
+        except chunkfile.ChunkFileMissing:
+            raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "
+                             f"`mot-cag store verify --store {self.root}`.") from None
+        except (KeyError, ValueError) as e:
+            raise StoreError(f"Chunk file {path} is damaged ({e}); run `mot-cag store verify --store {self.root}`.") \
+                from None
+        return ChunkInfo(key, text, ids, start, str(path), meta)
 
     def token_ids(self, key: str) -> list[int]:
         """Source token ids of chunk ``key`` (no special tokens)."""
@@ -626,16 +650,17 @@ class Store:
             StoreError: The disk is full (or another write error); the temporary file is removed.
         """
         rel = chunk_relpath(key)
+        # Token ids and text go in tensors (chunk format 2), not in the metadata that every load parses.
         meta = {
-            "key": key, "source": self.source.name, "fingerprint": self.source.fingerprint,
-            "token_ids": json.dumps(list(chunk.token_ids)), "text": chunk.text, "doc": doc,
+            "key": key, "source": self.source.name, "fingerprint": self.source.fingerprint, "doc": doc,
             "chunk_index": str(chunk.index), "char_start": str(chunk.char_start), "char_end": str(chunk.char_end),
             "special_tokens": "none",
         }
         meta["meta_checksum"] = _meta_checksum(meta)
         path = self.root / rel
         try:
-            data, written = chunkfile.encode_chunk(kv, self.source.layout, self.config.torch_dtype, meta)
+            data, written = chunkfile.encode_chunk(kv, self.source.layout, self.config.torch_dtype, meta,
+                                                   token_ids=chunk.token_ids, text=chunk.text)
             chunkfile.write_atomic(path, data, durable=durable)
             nbytes = len(data)
         except OSError as e:
@@ -669,10 +694,10 @@ class Store:
         path = self.file(key)
         if not path.is_file() or check_chunk_file(path, key, self.source) is not None:
             return None
-        meta = chunkfile.read_metadata(path)
+        _, text, meta = chunkfile.read_content(path)
         with self.manifest.transaction():
             self.manifest.add_chunk(key, chunk_relpath(key), meta["checksum"], int(meta["tokens"]),
-                                    path.stat().st_size, meta["text"])
+                                    path.stat().st_size, text)
         return self.manifest.chunk(key)
 
     def remove_temp_files(self) -> int:
@@ -830,12 +855,13 @@ class Store:
 def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: str | None = None) -> str | None:
     """Why the chunk file at ``path`` is not a valid copy of chunk ``key``, or ``None`` when it is.
 
-    Checks, in order: the header parses and is a mot-cag chunk; the metadata fields are intact; the key is
-    the hash of the recorded token ids under this source; the tensor shapes fit the source layout; the tensor
-    bytes match the recorded checksum (and the manifest's, when given).
+    Checks, in order: the header parses and is a mot-cag chunk (format 1 or 2); the metadata fields are
+    intact; the key is the hash of the recorded token ids under this source; the tensor shapes fit the source
+    layout; the tensor bytes (KV, and in format 2 the token ids and text) match the recorded checksum (and the
+    manifest's, when given); the text is UTF-8.
     """
     try:
-        meta = chunkfile.read_metadata(path)
+        tensors, meta = chunkfile.read_chunk_tensors(path)
     except StoreError:
         return "unreadable header (not a safetensors chunk)"
     if meta.get("key") != key:
@@ -843,8 +869,8 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
     if meta.get("meta_checksum") != _meta_checksum(meta):
         return "metadata fails its checksum"
     try:
-        ids = json.loads(meta["token_ids"])
-    except (KeyError, json.JSONDecodeError):
+        ids = chunkfile.chunk_token_ids(tensors, meta)
+    except StoreError:
         return "token ids unreadable"
     if meta.get("fingerprint") != source.fingerprint:
         return f"made by another source model (fingerprint {meta.get('fingerprint')})"
@@ -854,12 +880,20 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         return f"prefilled at position {meta.get('start')}, store chunks are prefilled at 0"
     lay = source.layout
     want = [lay.layers, lay.kv_heads, len(ids), lay.head_dim]
-    if json.loads(meta.get("shape", "[]")) != want:
-        return f"shape {meta.get('shape')} does not fit the source layout {want}"
     try:
-        chunkfile.load_chunk(path, verify=True)
-    except StoreError:
+        shapes = [json.loads(meta.get("shape", "[]"))] + [list(tensors[n].shape) for n in chunkfile.KV_TENSORS]
+    except json.JSONDecodeError:
+        return f"shape {meta.get('shape')!r} unreadable"
+    except KeyError as e:
+        return f"tensor {e} missing"
+    if any(s != want for s in shapes):
+        return f"shape {meta.get('shape')} does not fit the source layout {want}"
+    if chunkfile.chunk_checksum(tensors) != meta.get("checksum"):
         return "tensor data fails its checksum"
+    try:
+        chunkfile.chunk_text(tensors, meta)
+    except StoreError as e:
+        return f"text unreadable ({e})"
     if row_checksum is not None and row_checksum != meta["checksum"]:
         return "checksum differs from the manifest's"
     return None
@@ -893,10 +927,10 @@ def rebuild_manifest(root: str | Path, config: StoreConfig | None = None) -> tup
             f.unlink(missing_ok=True)
             problems.append(Problem("damaged", f.stem, f"{f}: {reason}; removed", fixed=True))
             continue
-        meta = chunkfile.read_metadata(f)
+        _, text, meta = chunkfile.read_content(f)
         with st.manifest.transaction():
             st.manifest.add_chunk(f.stem, chunk_relpath(f.stem), meta["checksum"], int(meta["tokens"]),
-                                  f.stat().st_size, meta["text"])
+                                  f.stat().st_size, text)
     for rec_path in sorted((root / DOCS_DIR).glob("*.json")):
         try:
             rec = json.loads(rec_path.read_text(encoding="utf-8"))
