@@ -11,8 +11,9 @@ waits on the disk, small here: one filesystem sync per 32 chunks):
 * **load / raw read**: bytes/s of ``Store.load`` (safetensors file -> tensors viewing a private memory map of it)
   over every chunk divided by bytes/s of ``open(path).read()`` of the same files, both from the page cache.
   Goal: >= 0.7. ``Store.load`` maps pages that are read when the tensors are first used; the ``verify`` figure
-  (``Store.load(verify=True)``, hashing every byte) and the ``load + read all`` line (``Store.load`` then the
-  float32 cast the ask path does) show the cost of a load whose data is read in full.
+  (``Store.load(verify=True)``, hashing every byte) and the ``load + copy`` line (``Store.load``, then one copy
+  of the tensors, as ``open().read()`` copies the page cache into its buffer) show the cost of a load whose data
+  is read in full; ``load + copy`` is the figure to hold against the goal.
 * **bytes per token**: chunk-file bytes per stored token, and the KV alone (``2 * layers * kv_heads * head_dim
   * 2`` bytes in fp16), so the share of the rest (token ids, text, header) is visible.
 
@@ -145,8 +146,13 @@ def main() -> None:
     (raw_s, raw_cpu) = timed(lambda: [f.read_bytes() for f in files])
     (load_s, load_cpu) = timed(lambda: [st.load(k) for k in keys])
     (verify_s, _) = timed(lambda: [st.load(k, verify=True) for k in keys])
-    # The figure to hold against the goal: the loaded bytes are actually read (the fp32 cast ask does).
-    (touch_s, touch_cpu) = timed(lambda: [st.load(k, dtype=torch.float32) for k in keys])
+    # The figure to hold against the goal: every loaded byte is actually read, by one copy of the tensors (what
+    # open().read() does too: page cache -> a private buffer).
+    def load_and_copy(k):
+        c = st.load(k)
+        return c.keys.clone(), c.values.clone()
+
+    (touch_s, touch_cpu) = timed(lambda: [load_and_copy(k) for k in keys])
     info = st.info()
     lay = st.source.layout
     kv_bpt = 2 * lay.layers * lay.kv_heads * lay.head_dim * 2
@@ -162,7 +168,7 @@ def main() -> None:
           f"       ratio {raw_s / load_s:.2f} (goal >= 0.7); CPU-time ratio {raw_cpu / load_cpu:.2f}; "
           f"{len(keys) / load_s:,.0f} chunks/s; with checksum verify {nbytes / verify_s / 1e6:,.1f} MB/s "
           f"(ratio {raw_s / verify_s:.2f})")
-    print(f"load + read all   {nbytes / touch_s / 1e6:12,.1f} MB/s       (Store.load then the fp32 cast ask does) "
+    print(f"load + copy       {nbytes / touch_s / 1e6:12,.1f} MB/s       (Store.load, then every byte copied once) "
           f"ratio {raw_s / touch_s:.2f}; CPU-time ratio {raw_cpu / touch_cpu:.2f}")
     print(f"bytes per token   {info['bytes_per_token']:12,.1f} stored        KV alone {kv_bpt:8d} "
           f"(fp16; metadata share {1 - kv_bpt / info['bytes_per_token']:.0%})")
