@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from clirun import run_cli
 
 from mot_cag.data import names
 from mot_cag.data.corpus import CorpusConfig, doc_token_lengths, make_corpus, write_corpus
@@ -85,17 +85,6 @@ def test_bad_settings_are_user_errors():
         CorpusConfig(facts_min=9, facts_max=3)
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from mot_cag.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["mot-cag", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def test_cli_writes_refuses_and_forces(tmp_path, monkeypatch, capsys):

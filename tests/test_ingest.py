@@ -5,11 +5,11 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from clirun import run_cli
 
 from mot_cag import ingest as ingest_mod
 from mot_cag.errors import StoreError
@@ -56,18 +56,6 @@ def store(clean, tmp_path):
     return tmp_path / "store"
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run ``mot-cag ARGS`` in-process through ``main()`` (errors become stderr lines and exit codes)."""
-    from mot_cag.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["mot-cag", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 # ---------------------------------------------------------------------------------------------- content

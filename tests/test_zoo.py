@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from clirun import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mot_cag.data.synthetic import synth_dataset
@@ -151,20 +152,6 @@ def test_exact_match_stop_rule():
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run ``mot-cag ARGS`` in-process through ``main()`` (errors become stderr lines and exit codes)."""
-    import sys
-
-    from mot_cag.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["mot-cag", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 @pytest.mark.parametrize("command", ["train", "eval"])
