@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from mot_cag.config import RECOMPUTE_POLICIES
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
@@ -32,7 +33,6 @@ from mot_cag.prompts import as_tensor, bos_ids, encode
 
 Mode = Literal["translated", "direct", "native-chunks", "none"]
 MODES: tuple[str, ...] = ("translated", "direct", "native-chunks", "none")
-RECOMPUTE_POLICIES: tuple[str, ...] = ("deviation", "start", "spread")
 
 
 @dataclass(frozen=True)

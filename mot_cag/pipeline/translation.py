@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
+from mot_cag.config import INJECTIONS
 from mot_cag.errors import MotCagError
 from mot_cag.models.cache import KVChunk, Positioner
 from mot_cag.models.registry import LoadedModel
 from mot_cag.pipeline.context import LRU, Piece, Recompute, ReplayJointContext, TranslatedContext, TranslateFn
 
-INJECTIONS: tuple[str, ...] = ("auto", "direct", "replay", "replay-joint")
 AUTO_INJECTION = "replay-joint"
-"""What ``auto`` means: measured on the held-out store corpus, replay over the joined context keeps 0.99 of the
-context's effect (kl_benefit) for every zoo target, direct injection 0.59-0.86 (see the README of the zoo's
-translators)."""
+"""What ``auto`` means: on the held-out store corpora, replay over the joined context keeps 0.99 of the context's
+effect (kl_benefit) for every zoo target, direct injection 0.81-0.94 (mot_cag/zoo/translators/RESULTS.md, "Over a
+store")."""
 
 
 def check_injection_name(injection: str) -> str:
