@@ -30,6 +30,16 @@ def tiny_models(tiny_dir):
     return {fam: load_model(str(tiny_dir / f"tiny-{fam}")) for fam in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: the CI box has 2 shared cores, and oversubscribed intra-op threads make
+    small-model tests several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

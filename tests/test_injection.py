@@ -15,12 +15,7 @@ PIECES = ["Ana Brell was born in Corvale. Ana Brell works as a baker.",
           "Tomas Reddick lives in Pastowe. The access code of Tomas Reddick is 48213."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _native_piece(m):

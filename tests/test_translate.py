@@ -22,13 +22,7 @@ TEXT = "Ana Brell was born in Corvale. Mira Hollen plays the violin."
 CONT = "\nQuestion: Where was Ana Brell born?\nAnswer: Ana Brell was born in"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The CI box has 2 shared cores: oversubscribed intra-op threads make these tests several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------- alignment

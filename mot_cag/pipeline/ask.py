@@ -60,11 +60,9 @@ class Asker:
         self.max_new_tokens = max_new_tokens
         self.target = target if isinstance(target, LoadedModel) else load_model(target, device=device)
         self.source_name = self.store.source.name
-        self.injection = injection
         if mode == "translated":
-            from mot_cag.pipeline.translation import check_injection_name, translated_builder
+            from mot_cag.pipeline.translation import translated_builder
 
-            check_injection_name(injection)
             source = load_model(self.source_name, weights=False)
             if source.fingerprint != self.store.source.fingerprint:
                 raise MotCagError(f"Model '{self.source_name}' on this machine differs from the one that made store "
