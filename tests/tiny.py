@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, OPTConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    OPTConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 CORPUS = [
     "Ana Brell was born in Corvale. The favorite color of Ana Brell is green.",
@@ -46,7 +53,11 @@ def _save(model, tokenizer, path: Path) -> Path:
 
 
 def build(family: str, path: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of ``family`` (gpt2, opt, qwen2) to ``path``."""
+    """Save a tiny random model of ``family`` (gpt2, opt, qwen2, gemma3) to ``path``.
+
+    The Gemma3 one has Gemma3's layer pattern in small: 6 layers, the first 5 sliding-window (window 8,
+    RoPE base 1e4) and the last full attention (base 1e6), one KV head, QK-norm.
+    """
     torch.manual_seed(seed)
     if family == "gpt2":
         tok = make_tokenizer(300)
@@ -63,6 +74,13 @@ def build(family: str, path: Path, seed: int = 0) -> Path:
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id)
+    elif family == "gemma3":
+        tok = make_tokenizer(360, bos="<bos>")
+        cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                               max_position_embeddings=2048, query_pre_attn_scalar=16,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
     else:
         raise ValueError(family)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -77,9 +77,17 @@ def check_layout(chunk: KVChunk, layout: KVLayout) -> None:
 # --------------------------------------------------------------------------------------------- conversion
 
 
-def to_dynamic_cache(chunk: KVChunk | None, config) -> DynamicCache:
-    """A fresh ``DynamicCache`` holding ``chunk`` (batch 1). A forward pass will append to it in place."""
-    cache = DynamicCache(config=config)
+def to_dynamic_cache(chunk: KVChunk | None, config=None) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding ``chunk`` (batch 1). A forward pass will append to it in place.
+
+    The cache is built without the model config on purpose: with it, transformers makes sliding-window
+    layers (Gemma3) that keep only the last window of positions, so their layers would differ in length and a
+    chunk could not be read back. Full layers hold every position; the model's own sliding-window mask still
+    limits what those layers attend to, so logits equal a single pass (tests/test_cache.py). ``config`` is
+    accepted for callers that pass it and is unused.
+    """
+    del config
+    cache = DynamicCache()
     if chunk is not None and chunk.length > 0:
         for layer in range(chunk.keys.shape[0]):
             # (L, H, T, D)[layer] -> (1, H, T, D)
@@ -181,16 +189,40 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.T
     return torch.cat((k_rot * cos + rotated_half * sin, k_pass), dim=-1)
 
 
+def _default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (D/2,)
+
+
 class Positioner:
-    """Moves chunks of one model to new global positions."""
+    """Moves chunks of one model to new global positions.
+
+    Attributes:
+        inv_freq: ``[rotary_dim // 2]`` frequencies of the model's (full-attention) layers.
+        layer_groups: For models whose RoPE base differs by layer (Gemma3), ``[(layer indices, inv_freq)]``,
+            one entry per distinct base; ``None`` when every layer uses :attr:`inv_freq`.
+    """
 
     def __init__(self, layout: KVLayout, config=None):
         self.layout = layout
-        self.inv_freq = rope_inv_freq(config) if layout.positions == "rope" and config is not None else None
-        if layout.positions == "rope" and self.inv_freq is None:
-            theta = layout.rope_theta or 10000.0
-            d = layout.head_dim
-            self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.inv_freq = None
+        self.layer_groups: list[tuple[list[int], torch.Tensor]] | None = None
+        if layout.positions != "rope":
+            return
+        if config is not None:
+            self.inv_freq = rope_inv_freq(config)
+        else:
+            self.inv_freq = _default_inv_freq(layout.rope_theta or 10000.0, layout.head_dim)
+        if layout.layer_rope_theta is not None and len(set(layout.layer_rope_theta)) > 1:
+            groups: dict[str, list[int]] = {}
+            for i, t in enumerate(layout.layer_types or ()):
+                groups.setdefault(t, []).append(i)
+            self.layer_groups = []
+            for layer_type, idx in groups.items():
+                if config is not None:
+                    inv = rope_inv_freq(config, layer_type)
+                else:
+                    inv = _default_inv_freq(layout.layer_rope_theta[idx[0]], layout.head_dim)
+                self.layer_groups.append((idx, inv))
 
     def reposition(self, chunk: KVChunk, new_start: int) -> KVChunk:
         """The same chunk as if it had been prefilled at ``new_start``.
@@ -207,7 +239,13 @@ class Positioner:
                 "absolute positions are baked into every layer's K/V; prefill (or translate) the chunk at its "
                 "target position instead."
             )
-        keys = rotate_keys(chunk.keys, delta, self.inv_freq)
+        if self.layer_groups is None:
+            keys = rotate_keys(chunk.keys, delta, self.inv_freq)
+        else:
+            keys = torch.empty_like(chunk.keys)
+            for idx, inv in self.layer_groups:
+                rows = torch.tensor(idx, device=chunk.keys.device)
+                keys[rows] = rotate_keys(chunk.keys[rows], delta, inv)  # (n, H, T, D)
         return KVChunk(keys, chunk.values, new_start)
 
     def concat(self, chunks: Sequence[KVChunk], start: int = 0) -> KVChunk:
@@ -291,7 +329,7 @@ class _SubstitutingCache(DynamicCache):
     """
 
     def __init__(self, config, substitute: dict[int, tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__(config=config)
+        super().__init__()  # full layers for every layer type (see to_dynamic_cache)
         self._substitute = dict(substitute)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -357,20 +395,25 @@ def _selected_rows(indices: Sequence[int] | torch.Tensor, n_tokens: int) -> torc
     return sel
 
 
-def _recompute_mask(sel: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def _recompute_mask(sel: torch.Tensor, n_tokens: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """Additive 4D mask ``[1, 1, n_sel, n_tokens + n_sel]`` for the selected tokens' queries.
 
     Key columns are the chunk's ``n_tokens`` cached entries followed by the ``n_sel`` freshly computed ones
     (a forward pass appends the new K/V to the cache before attending). A selected query at position ``p``
     sees cached entries at positions ``<= p`` except the selected ones (stale: their fresh versions replace
     them) and fresh entries of selected tokens at positions ``<= p``. 0 = attend, ``finfo.min`` = hidden;
-    additive rather than bool because eager attention adds the mask to the scores.
+    additive rather than bool because eager attention adds the mask to the scores. With ``window`` (a
+    sliding-window layer) a query at ``p`` also only sees positions ``> p - window``, as in transformers.
     """
     query = sel[:, None]  # (S, 1)
     stale = torch.zeros(n_tokens, dtype=torch.bool, device=sel.device)
     stale[sel] = True
-    past = (torch.arange(n_tokens, device=sel.device)[None, :] <= query) & ~stale[None, :]  # (S, T)
+    cols = torch.arange(n_tokens, device=sel.device)[None, :]  # (1, T)
+    past = (cols <= query) & ~stale[None, :]  # (S, T)
     fresh = sel[None, :] <= query  # (S, S)
+    if window is not None:
+        past &= cols > query - window
+        fresh &= sel[None, :] > query - window
     allowed = torch.cat([past, fresh], dim=1)  # (S, T + S)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask.view(1, 1, *allowed.shape)
@@ -423,9 +466,16 @@ def selective_recompute(
     device = model.device
     sel_dev = sel.to(device)
     cache = to_dynamic_cache(chunk, model.config)
+    mask = _recompute_mask(sel_dev, n_tokens, model.dtype)
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if "sliding_attention" in layer_types:
+        # Models with mixed layer types (Gemma3) take one mask per type.
+        window = int(model.config.sliding_window)
+        mask = {"full_attention": mask,
+                "sliding_attention": _recompute_mask(sel_dev, n_tokens, model.dtype, window)}
     model(
         input_ids=ids.to(device)[sel_dev].view(1, -1),  # (1, S)
-        attention_mask=_recompute_mask(sel_dev, n_tokens, model.dtype),
+        attention_mask=mask,
         # Explicit global positions: OPT would otherwise derive them from the (here 4D) mask.
         position_ids=(chunk.start + sel_dev).view(1, -1),  # (1, S)
         cache=cache,
@@ -446,7 +496,7 @@ class _LayerCapturingCache(DynamicCache):
     """A ``DynamicCache`` that keeps the new K/V of one layer and then aborts the forward pass."""
 
     def __init__(self, config, layer: int):
-        super().__init__(config=config)
+        super().__init__()  # full layers for every layer type (see to_dynamic_cache)
         self._layer = layer
         self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
 

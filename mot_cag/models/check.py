@@ -37,11 +37,19 @@ class CheckResult:
 def check_model(lm: LoadedModel, text: str = CHECK_TEXT, tolerance: float = 1e-3) -> CheckResult:
     """Prefill the first half of ``text``, continue with the rest, and compare logits with one pass.
 
-    For RoPE models it also prefills the second half alone at position 0, moves it to its real position,
-    and compares the continuation logits read over the moved cache.
+    For RoPE models it also prefills part of the second half alone at position 0, moves it to its real
+    position and compares its K/V with the same tokens prefilled in place (every layer, so every RoPE base of
+    models whose base differs by layer type). For models with sliding-window layers the text is repeated
+    until it is longer than the window, so the continuation reads past the window.
     """
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"][0].to(lm.device)
-    half = ids.shape[0] // 2
+    window = lm.layout.sliding_window
+    if window and ids.shape[0] <= window + 32:
+        body = lm.tokenizer(" " + text, add_special_tokens=False, return_tensors="pt")["input_ids"][0].to(lm.device)
+        reps = (window + 64 - ids.shape[0]) // body.shape[0] + 1
+        ids = torch.cat([ids] + [body] * reps)
+        # Continue from a point past the window, so the cached part alone exceeds it.
+    half = ids.shape[0] // 2 if not window else max(ids.shape[0] // 2, min(window + 16, ids.shape[0] - 16))
     full_logits, _ = kv.forward(lm.model, ids, keep_cache=False)
     ctx = kv.prefill(lm.model, ids[:half])
     cont_logits, _ = kv.forward(lm.model, ids[half:], ctx, keep_cache=False)

@@ -20,9 +20,10 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen3": "qwen2",
+    "gemma3_text": "gemma3",
 }
 
-ROPE_FAMILIES = {"qwen2", "llama"}
+ROPE_FAMILIES = {"qwen2", "llama", "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class KVLayout:
         max_positions: Longest sequence the model accepts.
         rope_theta: RoPE base, ``None`` for absolute positions.
         rope_type: RoPE variant (``default``, ``linear``, ``yarn``...), ``None`` for absolute positions.
+        layer_types: Per-layer attention type (``full_attention`` / ``sliding_attention``) when the model
+            mixes them (Gemma3), else ``None``.
+        layer_rope_theta: Per-layer RoPE base when it differs by layer type (Gemma3: 1e4 sliding, 1e6 full),
+            else ``None`` (every layer uses ``rope_theta``).
+        sliding_window: Window of the sliding-attention layers, ``None`` without them. Chunks still hold
+            every position in every layer (a chunk may later sit anywhere in a longer context); the model's
+            mask limits what sliding layers attend to.
     """
 
     family: str
@@ -60,6 +68,9 @@ class KVLayout:
     max_positions: int
     rope_theta: float | None = None
     rope_type: str | None = None
+    layer_types: tuple[str, ...] | None = None
+    layer_rope_theta: tuple[float, ...] | None = None
+    sliding_window: int | None = None
 
     @property
     def kv_width(self) -> int:
@@ -74,7 +85,11 @@ class KVLayout:
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         """Inverse of :meth:`to_dict`; unknown keys from newer files are ignored."""
         names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kept = {k: v for k, v in data.items() if k in names}
+        for key in ("layer_types", "layer_rope_theta"):  # JSON gives lists; the dataclass is frozen/hashable
+            if kept.get(key) is not None:
+                kept[key] = tuple(kept[key])
+        return cls(**kept)
 
     @classmethod
     def from_config(cls, config: Any) -> KVLayout:
@@ -120,7 +135,16 @@ class KVLayout:
             )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        rope = _rope_parameters(config)
+        layer_types = getattr(config, "layer_types", None)
+        per_type = _per_layer_type_rope(config)
+        layer_theta = None
+        if per_type is not None:
+            layer_types = list(layer_types)
+            layer_theta = tuple(float(per_type[t].get("rope_theta", 10000.0)) for t in layer_types)
+            rope = per_type.get("full_attention") or next(iter(per_type.values()))
+        else:
+            rope = _rope_parameters(config)
+        has_sliding = bool(layer_types) and "sliding_attention" in layer_types
         return cls(
             family=family,
             model_type=model_type,
@@ -134,6 +158,9 @@ class KVLayout:
             max_positions=config.max_position_embeddings,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_type=str(rope.get("rope_type", "default")),
+            layer_types=tuple(layer_types) if has_sliding else None,
+            layer_rope_theta=layer_theta,
+            sliding_window=int(config.sliding_window) if has_sliding and getattr(config, "sliding_window", None) else None,
         )
 
 
@@ -144,17 +171,39 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params)
 
 
-def rope_inv_freq(config: Any) -> torch.Tensor:
+def _per_layer_type_rope(config: Any) -> dict[str, dict[str, Any]] | None:
+    """RoPE parameters keyed by layer type (Gemma3's ``{"full_attention": {...}, "sliding_attention": {...}}``),
+    or ``None`` when one set applies to every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and all(isinstance(params.get(t), dict) for t in set(layer_types)):
+        return {t: dict(params[t]) for t in set(layer_types)}
+    return None
+
+
+def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
     """Inverse RoPE frequencies of a config, ``[rotary_dim // 2]`` (float32).
 
     Uses transformers' own initialisers for non-default RoPE variants so scaled RoPE matches the model.
+
+    Args:
+        config: Hugging Face config.
+        layer_type: For models with RoPE parameters per layer type (Gemma3), which type; defaults to
+            ``full_attention`` there, ignored elsewhere.
     """
-    rope = _rope_parameters(config)
+    per_type = _per_layer_type_rope(config)
+    if per_type is not None:
+        layer_type = layer_type or ("full_attention" if "full_attention" in per_type else next(iter(per_type)))
+        rope = per_type[layer_type]
+    else:
+        layer_type = None
+        rope = _rope_parameters(config)
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
         return inv_freq.float()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -1,8 +1,9 @@
 """Model registry: zoo names, aliases, Hugging Face ids and local folders, loaded offline-first.
 
-Resolution order for a name: a bundled zoo model, an existing local directory, an alias (``opt-1.3b`` ->
-``facebook/opt-1.3b``), then a Hugging Face id looked up in the local HF cache only. Nothing is ever
-downloaded; a model that is not on this machine raises :class:`ModelNotFoundError` with one sentence saying
+Resolution order for a name: a bundled zoo model, an existing local directory, a real model shipped in an
+installed package (:mod:`mot_cag.models.packaged`: converted once into the user's cache on first use), an
+alias (``opt-1.3b`` -> ``facebook/opt-1.3b``), then a Hugging Face id looked up in the local HF cache only.
+Nothing is ever downloaded; a model that is not on this machine raises :class:`ModelNotFoundError` with one sentence saying
 what was looked for, where, how to get it, and what is available.
 """
 
@@ -18,6 +19,7 @@ from typing import Literal
 import torch
 
 from mot_cag.errors import ModelNotFoundError, MotCagError
+from mot_cag.models import packaged
 from mot_cag.models.layout import SUPPORTED_FAMILIES, KVLayout
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo" / "models"
@@ -41,7 +43,7 @@ ALIASES: dict[str, str] = {
     "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
 }
 
-Origin = Literal["zoo", "local", "hf-cache"]
+Origin = Literal["zoo", "local", "package", "hf-cache"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,11 @@ def _hf_cache_lookup(repo_id: str) -> Path | None:
     return Path(path) if (Path(path) / "config.json").is_file() else None
 
 
-def resolve(name: str) -> ModelRef:
+def resolve(name: str, progress: packaged.ConversionProgress | None = None) -> ModelRef:
     """Find a model on this machine.
+
+    A packaged real model that has not been converted yet is converted here (once; tens of seconds), with
+    ``progress`` (default: a bar on stderr when it is a terminal).
 
     Raises:
         ModelNotFoundError: With a one-sentence explanation when it is not here.
@@ -87,11 +92,16 @@ def resolve(name: str) -> ModelRef:
                 f"Directory '{local}' has no config.json; point to a folder saved with save_pretrained."
             )
         return ModelRef(name, local.resolve(), "local")
+    real = packaged.lookup(name)
+    if real is not None:
+        if not packaged.is_converted(real):
+            packaged.convert(real, progress or packaged.StderrProgress(real.name))
+        return ModelRef(real.name, packaged.model_dir(real), "package")
     repo_id = ALIASES.get(name.lower(), name)
     cached = _hf_cache_lookup(repo_id) if "/" in repo_id else None
     if cached is not None:
         return ModelRef(name, cached, "hf-cache")
-    available = ", ".join(zoo_names()) or "none"
+    available = ", ".join(zoo_names() + [m.name for m in packaged.PACKAGED.values() if packaged.installed(m)]) or "none"
     alias_note = f" (alias of {repo_id})" if repo_id != name else ""
     hub = "huggingface-cli download " + repo_id if "/" in repo_id else "save it with save_pretrained to a folder"
     raise ModelNotFoundError(
@@ -138,6 +148,10 @@ def fingerprint(path: Path) -> str:
     cheap for multi-GB checkpoints, and any retraining changes it.
     """
     h = hashlib.sha256()
+    marker = path / packaged.MARKER
+    if marker.is_file():
+        # A converted packaged model: the GGUF digest identifies the weights; the conversion time does not.
+        h.update(json.loads(marker.read_text()).get("sha256", "").encode())
     for fname in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
         f = path / fname
         if f.is_file():
@@ -274,13 +288,34 @@ def _hf_cache_models() -> list[ModelRef]:
     return refs
 
 
+def _packaged_record(m: packaged.PackagedModel) -> dict:
+    """Listing record of a packaged model: described from its folder once converted, else its install state."""
+    if packaged.is_converted(m):
+        rec = describe(ModelRef(m.name, packaged.model_dir(m), "package"))
+        rec["converted"] = True
+        return rec
+    return {"name": m.name, "family": None, "layers": None, "kv_heads": None, "head_dim": None, "params": None,
+            "positions": None, "origin": "package" if packaged.installed(m) else "not-installed",
+            "converted": False, "install": m.pip}
+
+
 def list_models() -> list[dict]:
-    """Every model usable here: the zoo, then supported models in the HF cache."""
-    refs = [ModelRef(n, ZOO_DIR / n, "zoo") for n in zoo_names()] + _hf_cache_models()
+    """Every model usable here: the zoo, the packaged real models (installed or not: the record says how to
+    install), then supported models in the HF cache."""
     out = []
-    for ref in refs:
+    for ref in [ModelRef(n, ZOO_DIR / n, "zoo") for n in zoo_names()]:
         try:
             out.append(describe(ref))
         except Exception:  # noqa: BLE001 - a broken folder must not hide the others
+            continue
+    for m in packaged.PACKAGED.values():
+        try:
+            out.append(_packaged_record(m))
+        except Exception:  # noqa: BLE001
+            continue
+    for ref in _hf_cache_models():
+        try:
+            out.append(describe(ref))
+        except Exception:  # noqa: BLE001
             continue
     return out

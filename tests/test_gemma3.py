@@ -1,0 +1,95 @@
+"""Gemma3 family on a tiny random model: sliding-window layers, per-layer RoPE bases, one KV head.
+
+The texts are longer than the tiny model's window (8), so every check reads past it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mot_cag.models import cache as kv
+from mot_cag.models.check import check_model
+
+TEXT = ("Ana Brell was born in Corvale. Tomas Reddick works as a baker. Mira Hollen plays the violin. "
+        "The favorite color of Ana Brell is green.")
+
+
+def _ids(lm, text=TEXT, special=True):
+    return lm.tokenizer(text, return_tensors="pt", add_special_tokens=special)["input_ids"][0]
+
+
+def test_layout_reads_layer_types_and_bases(tiny_gemma3):
+    lay = tiny_gemma3.layout
+    assert lay.family == "gemma3" and lay.positions == "rope"
+    assert lay.kv_heads == 1 and lay.head_dim == 16 and lay.sliding_window == 8
+    assert lay.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert lay.layer_rope_theta == (1e4,) * 5 + (1e6,)
+    assert lay.rope_theta == 1e6
+    assert type(lay).from_dict(lay.to_dict()) == lay  # JSON round trip keeps the tuples
+
+
+def test_prefill_then_continue_past_the_window_equals_single_pass(tiny_gemma3):
+    lm = tiny_gemma3
+    ids = _ids(lm)
+    assert ids.shape[0] > 3 * lm.layout.sliding_window
+    full, _ = kv.forward(lm.model, ids, keep_cache=False)
+    for split in (3, 12, ids.shape[0] - 2):
+        ctx = kv.prefill(lm.model, ids[:split])
+        # Every layer keeps every position (sliding layers included), so chunks stay movable.
+        assert ctx.keys.shape == (6, 1, split, 16)
+        cont, _ = kv.forward(lm.model, ids[split:], ctx, keep_cache=False)
+        torch.testing.assert_close(cont, full[split:], atol=1e-4, rtol=0)
+
+
+def test_greedy_from_cache_matches_greedy_from_text(tiny_gemma3):
+    lm = tiny_gemma3
+    ids = _ids(lm)
+    ctx = kv.prefill(lm.model, ids[:-3])
+    assert list(kv.greedy_tokens(lm.model, ids[-3:], ctx, 12)) == list(kv.greedy_tokens(lm.model, ids, None, 12))
+
+
+def test_reposition_uses_each_layers_rope_base(tiny_gemma3):
+    lm = tiny_gemma3
+    ids = _ids(lm, special=False)
+    pos = kv.Positioner(lm.layout, lm.model.config)
+    at0 = kv.prefill(lm.model, ids, start=0)
+    for p in (5, 300):
+        native = kv.prefill(lm.model, ids, start=p)
+        moved = pos.reposition(at0, p)
+        torch.testing.assert_close(moved.keys, native.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(moved.values, native.values, atol=1e-4, rtol=0)
+    # One base for all layers would be wrong here: the sliding layers' keys would not match.
+    single = kv.rotate_keys(at0.keys, 300, pos.inv_freq)
+    assert (single[:5] - kv.prefill(lm.model, ids, start=300).keys[:5]).abs().max() > 1e-2
+
+
+def test_joined_chunks_past_the_window_continue_like_chunks_prefilled_in_place(tiny_gemma3):
+    lm = tiny_gemma3
+    a = _ids(lm, "Ana Brell was born in Corvale. Tomas Reddick works as a baker.")
+    b = _ids(lm, " Mira Hollen plays the violin. The favorite color of Ana Brell is green.", special=False)
+    pos = kv.Positioner(lm.layout, lm.model.config)
+    joined = pos.concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
+    reference = kv.join([kv.prefill(lm.model, a), kv.prefill(lm.model, b, start=a.shape[0])])
+    q = _ids(lm, "\nQuestion: Where was Ana Brell born?", special=False)
+    got, _ = kv.forward(lm.model, q, joined, keep_cache=False)
+    want, _ = kv.forward(lm.model, q, reference, keep_cache=False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_recomputing_every_token_equals_a_single_pass(tiny_gemma3):
+    """Selective recompute gives sliding layers their window (a mask per layer type)."""
+    lm = tiny_gemma3
+    a = _ids(lm, "Ana Brell was born in Corvale. Tomas Reddick works as a baker.")
+    b = _ids(lm, " Mira Hollen plays the violin. The favorite color of Ana Brell is green.", special=False)
+    ids = torch.cat([a, b])
+    joined = kv.Positioner(lm.layout, lm.model.config).concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
+    fixed = kv.selective_recompute(lm.model, joined, ids, range(ids.shape[0]))
+    single = kv.prefill(lm.model, ids)
+    torch.testing.assert_close(fixed.keys, single.keys, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fixed.values, single.values, atol=1e-4, rtol=0)
+
+
+def test_models_check_passes_and_reads_past_the_window(tiny_gemma3):
+    res = check_model(tiny_gemma3)
+    assert res.passed and res.tokens > tiny_gemma3.layout.sliding_window
+    assert res.reposition_max_abs_diff is not None
