@@ -23,6 +23,15 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(reference))
 
 
+def contains_answer(prediction: str, reference: str) -> float:
+    """1.0 when the normalised reference occurs in the normalised prediction as whole words (a chatty
+    "Ana Brell was born in Corvale" contains "Corvale")."""
+    pred, ref = normalize_answer(prediction), normalize_answer(reference)
+    if not ref:
+        return float(not pred)
+    return float(f" {ref} " in f" {pred} ")
+
+
 def token_f1(prediction: str, reference: str) -> float:
     """Token-overlap F1 of the normalised strings."""
     pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()

@@ -2,7 +2,9 @@
 
 Per example and mode the context is built once (see :mod:`mot_cag.pipeline.context`), then:
 
-- extractive (has ``cue`` or plain QA): greedy answer after ``Answer: {cue}``; exact match and F1;
+- extractive (has ``cue`` or plain QA): greedy answer after the target's prompt
+  (:class:`~mot_cag.prompts.PromptFormat`: ``Answer: {cue}`` for the zoo, the chat template for real
+  instruct models); exact match, F1 and "contains the answer" (chatty models restate the question);
 - closed set (``options``): the option with the highest log-likelihood of `` {option}.`` after the cue;
 - repeat (``task == "repeat"``): teacher-forced top-1 accuracy on the repeated document (first token excluded);
 - all: mean NLL per token of the reference continuation, and KL(p_direct || p_mode) of the next-token
@@ -19,18 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mot_cag.evaluation.metrics import exact_match, kl_rows, token_f1
+from mot_cag.evaluation.metrics import contains_answer, exact_match, kl_rows, token_f1
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
 from mot_cag.pipeline.context import ContextBuilder, DirectContext, Piece, TargetContext
 from mot_cag.prompts import (
     REPEAT_SUFFIX,
-    answer_continuation,
-    answer_finished,
+    PromptFormat,
     as_tensor,
     encode,
-    extract_prediction,
-    qa_suffix,
+    prompt_format,
     repeat_continuation,
 )
 
@@ -55,6 +55,7 @@ class ExampleResult:
     prediction: str | None = None
     exact_match: float | None = None
     f1: float | None = None
+    contains: float | None = None
     correct: float | None = None
     token_accuracy: float | None = None
     kl_to_direct: float | None = None
@@ -64,10 +65,10 @@ class ExampleResult:
     context_tokens: int = 0
 
 
-def _suffix_and_reference(ex: dict) -> tuple[str, str]:
+def _suffix_and_reference(ex: dict, prompt: PromptFormat) -> tuple[str, str]:
     if example_kind(ex) == "repeat":
         return REPEAT_SUFFIX, repeat_continuation(ex.get("answer") or ex["context"])
-    return qa_suffix(ex["question"], ex.get("cue")), answer_continuation(str(ex["answer"]))
+    return prompt.suffix_text(ex["question"], ex.get("cue")), prompt.reference(str(ex["answer"]))
 
 
 class Evaluator:
@@ -84,6 +85,8 @@ class Evaluator:
         self.builders = builders
         self.max_new_tokens = max_new_tokens
         self.reference = builders.get("direct") or DirectContext(target)
+        first = next(iter(builders.values()), None)
+        self.prompt = first.prompt if first is not None else prompt_format(target)
         eos = target.tokenizer.eos_token_id
         self.eos = eos if isinstance(eos, int) else None
 
@@ -105,13 +108,13 @@ class Evaluator:
         def stop(ids: list[int]) -> bool:
             if not first:
                 first.append(time.perf_counter() - t0)
-            return answer_finished(tok.decode(ids))
+            return self.prompt.finished(tok.decode(ids, skip_special_tokens=True))
 
         for t in kv.greedy_tokens(self.target.model, as_tensor(suffix_ids, self.target.device), ctx.kv,
                                   self.max_new_tokens, stop=stop, eos_token_id=self.eos):
             out.append(t)
         ttft = first[0] if first else time.perf_counter() - t0
-        return tok.decode(out), ttft
+        return tok.decode(out, skip_special_tokens=True), ttft
 
     @torch.no_grad()
     def _options(self, ctx: TargetContext, suffix_ids: list[int], options: list[str]) -> int:
@@ -119,7 +122,7 @@ class Evaluator:
         first = torch.log_softmax(logits[-1].float(), -1)
         scores = []
         for opt in options:
-            ids = encode(self.target.tokenizer, answer_continuation(opt))
+            ids = encode(self.target.tokenizer, self.prompt.reference(opt))
             lp = first[ids[0]].item()
             if len(ids) > 1:
                 more, _ = kv.forward(self.target.model, as_tensor(ids[:-1], self.target.device), after,
@@ -135,7 +138,7 @@ class Evaluator:
         """Score one example in every mode."""
         tok = self.target.tokenizer
         kind = example_kind(ex)
-        suffix, ref = _suffix_and_reference(ex)
+        suffix, ref = _suffix_and_reference(ex, self.prompt)
         suffix_ids, ref_ids = encode(tok, suffix), encode(tok, ref)
         direct_lp = None
         results = []
@@ -153,9 +156,10 @@ class Evaluator:
                                 template=ex.get("template"), context_tokens=ctx.tokens)
             if kind == "extractive" or kind == "closed":
                 text, res.ttft_s = self._generate(ctx, suffix_ids, t0)
-                res.prediction = extract_prediction(text)
+                res.prediction = self.prompt.extract(text)
                 res.exact_match = exact_match(res.prediction, str(ex["answer"]))
                 res.f1 = token_f1(res.prediction, str(ex["answer"]))
+                res.contains = contains_answer(res.prediction, str(ex["answer"]))
             lp = self._teacher_forced(ctx, suffix_ids, ref_ids)
             if kind != "extractive" and kind != "closed":
                 res.ttft_s = time.perf_counter() - t0
@@ -194,6 +198,7 @@ def aggregate(results: list[ExampleResult]) -> dict:
         "n": len(results),
         "exact_match": _mean([r.exact_match for r in results]),
         "f1": _mean([r.f1 for r in results]),
+        "contains_answer": _mean([r.contains for r in results]),
         "accuracy": _mean([r.correct for r in results]),
         "token_accuracy": _mean([r.token_accuracy for r in results]),
         "nll": _mean([r.nll for r in results]),
@@ -225,7 +230,8 @@ def retention(modes: dict[str, dict]) -> dict | None:
     if "translated" not in modes or "direct" not in modes:
         return None
     t, d, n = modes["translated"], modes["direct"], modes.get("none")
-    out = {k: _ratio(t[k], d[k]) for k in ("f1", "exact_match", "accuracy", "token_accuracy")}
+    out = {k: _ratio(t.get(k), d.get(k)) for k in ("f1", "exact_match", "contains_answer", "accuracy",
+                                                    "token_accuracy")}
     out["nll_benefit"] = None
     out["kl_benefit"] = None
     if n is not None:

@@ -29,6 +29,8 @@ from pathlib import Path
 from mot_cag.errors import ModelNotFoundError, MotCagError
 
 MARKER = "mot_cag_model.json"
+#: Version of the converted folder's layout; a folder of another version is converted again.
+FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,10 @@ def is_converted(m: PackagedModel) -> bool:
     """Whether a finished conversion of ``m`` exists (its marker names the same GGUF digest)."""
     marker = model_dir(m) / MARKER
     try:
-        return json.loads(marker.read_text()).get("sha256") == m.sha256
+        info = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    return info.get("sha256") == m.sha256 and info.get("format") == FORMAT
 
 
 # ------------------------------------------------------------------------------------------ package files
@@ -274,10 +277,11 @@ def convert(m: PackagedModel, progress: ConversionProgress | None = None, force:
         out = tmp / "model"
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        _plain_fast_tokenizer(out)
         del model
         gguf.unlink()
         (out / MARKER).write_text(json.dumps({
-            "name": m.name, "sha256": m.sha256, "packages": m.distributions,
+            "name": m.name, "format": FORMAT, "sha256": m.sha256, "packages": m.distributions,
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dtype": "float32",
         }, indent=2))
         if dest.exists():
@@ -291,6 +295,18 @@ def convert(m: PackagedModel, progress: ConversionProgress | None = None, force:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _plain_fast_tokenizer(folder: Path) -> None:
+    """Make the saved tokenizer load as a plain ``PreTrainedTokenizerFast`` from its tokenizer.json.
+
+    The model-specific classes re-build the tokenizer on load (Gemma3's 262k vocabulary: 4.9 s instead of
+    2.1 s here) and give the same ids for these three models (checked when the registry was written).
+    """
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def _load_gguf(gguf: Path, name: str):

@@ -168,6 +168,25 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _plain_tokenizer(path: Path):
+    """A converted packaged model's tokenizer, built straight from its tokenizer.json.
+
+    ``AutoTokenizer`` also parses the 33 MB tokenizer.json of Gemma3 in Python and deep-copies its added
+    tokens (5.2 s here); this path takes 2.1 s and gives the same ids (see packaged._plain_fast_tokenizer).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    specials = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **specials)
+    template = path / "chat_template.jinja"
+    if template.is_file():
+        tok.chat_template = template.read_text()
+    elif cfg.get("chat_template"):
+        tok.chat_template = cfg["chat_template"]
+    return tok
+
+
 def load_config(name: str):
     """Resolve ``name`` and read its config without loading weights."""
     from transformers import AutoConfig
@@ -208,7 +227,10 @@ def load_model(
         layout = KVLayout.from_config(config)
     except ValueError as e:
         raise MotCagError(str(e)) from None
-    tokenizer = AutoTokenizer.from_pretrained(ref.path, use_fast=True, trust_remote_code=trust_remote_code)
+    if ref.origin == "package":
+        tokenizer = _plain_tokenizer(ref.path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(ref.path, use_fast=True, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise MotCagError(
             f"Model '{name}' has no fast tokenizer (tokenizer.json); mot-cag needs character offsets to align "

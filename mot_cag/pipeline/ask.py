@@ -13,7 +13,7 @@ from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel, load_model
 from mot_cag.pipeline.context import MODES, ContextBuilder, Piece, Recompute, make_builder
 from mot_cag.pipeline.retrieval import hits_to_pieces, open_store
-from mot_cag.prompts import as_tensor, encode, qa_suffix
+from mot_cag.prompts import as_tensor, encode
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Asker:
             pieces = [Piece(p.text, p.key, source_kv=lambda c=c: c) for p, c in loaded]
             t_load = time.perf_counter() - t1
         ctx = self.builder.build(pieces)
-        suffix = encode(self.target.tokenizer, qa_suffix(question))
+        suffix = encode(self.target.tokenizer, self.builder.prompt.suffix_text(question))
         if ctx.tokens + len(suffix) + 8 > self.target.layout.max_positions:
             raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit "
                               f"{self.target.name}'s {self.target.layout.max_positions} positions; lower --top-k.")
@@ -123,21 +123,25 @@ class Asker:
     def _generate(self, context: kv.KVChunk | None, suffix: list[int], t0: float,
                   on_text: Callable[[str], None] | None) -> tuple[str, float]:
         tok = self.target.tokenizer
+        prompt = self.builder.prompt
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
         ids: list[int] = []
         ttft = None
         shown = ""
 
         def stop(generated: list[int]) -> bool:
-            return "\n" in tok.decode(generated)
+            return "\n" in tok.decode(generated).lstrip("\n")
 
         for t in kv.greedy_tokens(self.target.model, as_tensor(suffix, self.target.device), context,
                                   self.max_new_tokens, stop=stop, eos_token_id=eos):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             ids.append(t)
-            text = tok.decode(ids).split("\n")[0]
+            text = tok.decode(ids, skip_special_tokens=True).lstrip("\n").split("\n")[0]
             if on_text is not None and text != shown:
                 on_text(text[len(shown):])
                 shown = text
-        return tok.decode(ids).split("\n")[0].strip(), ttft if ttft is not None else time.perf_counter() - t0
+        text = tok.decode(ids, skip_special_tokens=True).lstrip("\n").split("\n")[0].strip()
+        # Chat boilerplate ("The answer is: ...") is dropped for real models; the zoo's line is kept as is.
+        answer = text if prompt.kind == "qa" else prompt.extract(text) or text
+        return answer, ttft if ttft is not None else time.perf_counter() - t0

@@ -1,8 +1,9 @@
 """Context modes: how a target model gets the retrieved context before the question.
 
 Every mode turns the same list of context pieces (chunk texts, with the source model's KV where it exists)
-into one target-space :class:`~mot_cag.models.cache.KVChunk` covering, in order, the target's BOS ids (if
-its tokenizer uses one) and each piece's target tokens. Token sequences are identical across modes, so
+into one target-space :class:`~mot_cag.models.cache.KVChunk` covering, in order, the head of the target's
+prompt (:class:`~mot_cag.prompts.PromptFormat`: BOS, and for real models the chat header and instruction)
+and each piece's target tokens (with the format's separator). Token sequences are identical across modes, so
 scores differ only by how the cache was obtained:
 
 - ``direct``: the target prefills the concatenated text itself, one pass (cross-chunk attention included);
@@ -12,7 +13,7 @@ scores differ only by how the cache was obtained:
   used as it is (``direct`` injection), replayed piece by piece (``replay``), or replayed once over all pieces
   together (``replay-joint``: the target re-runs over the whole context with translated K/V in its window layers,
   so cross-chunk attention is restored in the layers it recomputes);
-- ``none``: no context at all (only BOS).
+- ``none``: no context at all (only the head).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mot_cag.config import RECOMPUTE_POLICIES
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
-from mot_cag.prompts import as_tensor, bos_ids, encode
+from mot_cag.prompts import PromptFormat, as_tensor, encode, prompt_format
 
 Mode = Literal["translated", "direct", "native-chunks", "none"]
 MODES: tuple[str, ...] = ("translated", "direct", "native-chunks", "none")
@@ -127,35 +128,48 @@ class LRU(OrderedDict):
 
 
 class ContextBuilder:
-    """Builds a target's context in one mode."""
+    """Builds a target's context in one mode.
+
+    Args:
+        target: The answering model.
+        prompt: Its prompt format (default: :func:`~mot_cag.prompts.prompt_format` of ``target``); the head's
+            ids start every context and its separator ends every piece.
+    """
 
     mode: str = "?"
 
-    def __init__(self, target: LoadedModel):
+    def __init__(self, target: LoadedModel, prompt: PromptFormat | None = None):
         self.target = target
         self.device = target.device
-        self.bos = bos_ids(target.tokenizer)
+        self.prompt = prompt or prompt_format(target)
+        self.head = list(self.prompt.head)
         self.positioner = kv.Positioner(target.layout, target.model.config)
+        self._head_kv: kv.KVChunk | None = None
 
     def build(self, pieces: list[Piece]) -> TargetContext:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _bos_chunk(self) -> kv.KVChunk | None:
-        return kv.prefill(self.target.model, as_tensor(self.bos, self.device)) if self.bos else None
+    def _head_chunk(self) -> kv.KVChunk | None:
+        """KV of the prompt head, computed once per builder (it is the same for every question)."""
+        if not self.head:
+            return None
+        if self._head_kv is None:
+            self._head_kv = kv.prefill(self.target.model, as_tensor(self.head, self.device))
+        return self._head_kv
 
     def piece_ids(self, piece: Piece) -> list[int]:
-        return encode(self.target.tokenizer, piece.text)
+        return encode(self.target.tokenizer, self.prompt.piece_text(piece.text))
 
 
 class NoneContext(ContextBuilder):
-    """No context: the target sees only its BOS (if any) before the question."""
+    """No context: the target sees only its prompt head (if any) before the question."""
 
     mode = "none"
 
     def build(self, pieces: list[Piece]) -> TargetContext:
         t0 = time.perf_counter()
-        chunk = self._bos_chunk()
-        return TargetContext(chunk, len(self.bos), {"prefill_s": time.perf_counter() - t0}, list(self.bos))
+        chunk = self._head_chunk()
+        return TargetContext(chunk, len(self.head), {"prefill_s": time.perf_counter() - t0}, list(self.head))
 
 
 class DirectContext(ContextBuilder):
@@ -165,7 +179,7 @@ class DirectContext(ContextBuilder):
 
     def build(self, pieces: list[Piece]) -> TargetContext:
         t0 = time.perf_counter()
-        ids = list(self.bos)
+        ids = list(self.head)
         for p in pieces:
             ids += self.piece_ids(p)
         chunk = kv.prefill(self.target.model, as_tensor(ids, self.device)) if ids else None
@@ -173,7 +187,7 @@ class DirectContext(ContextBuilder):
 
 
 class _JoinedChunks(ContextBuilder):
-    """Shared assembly of per-piece caches: BOS first, then each piece placed after the previous one.
+    """Shared assembly of per-piece caches: the prompt head first, then each piece placed after the previous one.
 
     RoPE targets make each piece once at position 0 (cached by piece) and move it by rotation; absolute-position
     targets make it where it will sit (cached by piece and position), since positions live in every layer.
@@ -182,8 +196,9 @@ class _JoinedChunks(ContextBuilder):
 
     timing = "prefill_s"
 
-    def __init__(self, target: LoadedModel, cache: LRU | None = None, recompute: Recompute | None = None):
-        super().__init__(target)
+    def __init__(self, target: LoadedModel, cache: LRU | None = None, recompute: Recompute | None = None,
+                 prompt: PromptFormat | None = None):
+        super().__init__(target, prompt)
         self.cache = cache if cache is not None else LRU()
         self.recompute = recompute or Recompute()
 
@@ -197,17 +212,17 @@ class _JoinedChunks(ContextBuilder):
     def join(self, pieces: list[Piece]) -> TargetContext:
         """Each piece's cache made (or taken from the LRU) and placed after the previous one."""
         t0 = time.perf_counter()
-        parts = [c for c in [self._bos_chunk()] if c is not None]
+        parts = [c for c in [self._head_chunk()] if c is not None]
         parts = [self.head_part(c) for c in parts]
-        pos = len(self.bos)
-        all_ids = list(self.bos)
+        pos = len(self.head)
+        all_ids = list(self.head)
         starts: list[int] = [0]
         rope = self.target.layout.positions == "rope"
         for p in pieces:
             ids = self.piece_ids(p)
             if not ids:
                 continue
-            if len(all_ids) > len(self.bos):
+            if len(all_ids) > len(self.head):
                 starts.append(pos)
             all_ids += ids
             if rope:
@@ -221,7 +236,7 @@ class _JoinedChunks(ContextBuilder):
         return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids, starts)
 
     def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
-        """The BOS chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
+        """The head chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
         return chunk
 
 
@@ -252,9 +267,13 @@ class TranslatedContext(_JoinedChunks):
     timing = "translate_s"
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None,
-                 recompute: Recompute | None = None):
-        super().__init__(target, cache, recompute)
+                 recompute: Recompute | None = None, prompt: PromptFormat | None = None):
+        super().__init__(target, cache, recompute, prompt)
         self.translate_piece = translate_piece
+
+    def piece_ids(self, piece: Piece) -> list[int]:
+        # Translators cover the stored chunk's own text; the prompt's piece separator is not part of it.
+        return encode(self.target.tokenizer, piece.text)
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
         return self.translate_piece(piece, start)
