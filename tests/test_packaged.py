@@ -64,7 +64,8 @@ def test_lookup_by_name_and_alias_case_insensitive():
 
 
 def test_missing_package_is_one_line_naming_the_pip_command():
-    m = PackagedModel("nope", (), (("mot-cag-no-such-dist", "x.gguf"),), "0" * 64, "pip install mot-cag-no-such-dist", "")
+    m = PackagedModel("nope", (), (("mot-cag-no-such-dist", "x.gguf"),), "0" * 64,
+                      "pip install mot-cag-no-such-dist", "")
     with pytest.raises(ModelNotFoundError) as e:
         packaged.part_paths(m)
     msg = str(e.value)

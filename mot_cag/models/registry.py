@@ -3,8 +3,8 @@
 Resolution order for a name: a bundled zoo model, an existing local directory, a real model shipped in an
 installed package (:mod:`mot_cag.models.packaged`: converted once into the user's cache on first use), an
 alias (``opt-1.3b`` -> ``facebook/opt-1.3b``), then a Hugging Face id looked up in the local HF cache only.
-Nothing is ever downloaded; a model that is not on this machine raises :class:`ModelNotFoundError` with one sentence saying
-what was looked for, where, how to get it, and what is available.
+Nothing is ever downloaded; a model that is not on this machine raises :class:`ModelNotFoundError` with one
+sentence saying what was looked for, where, how to get it, and what is available.
 """
 
 from __future__ import annotations
