@@ -505,6 +505,10 @@ def ingest_cmd(
     embedder: Annotated[str | None, typer.Option(
         help="Embedder of a new store: all-MiniLM-L6-v2, hash, or a sentence-transformers folder (default from the "
              "pipeline).")] = None,
+    chunk_prefix: Annotated[str | None, typer.Option(
+        help="What a new store's chunks are prefilled after: prompt (the source's prompt head, so chunks look as "
+             "they are read), none (each alone), auto (prompt for real RoPE models, none for the zoo); default "
+             "from the pipeline.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto (default from the pipeline).")] = None,
     wait: Annotated[float | None, typer.Option(
         help="Seconds to wait for another ingest writing the store (default: as long as it takes).")] = None,
@@ -524,7 +528,8 @@ def ingest_cmd(
     cfg = PipelineConfig.from_file(pipeline)
     with RichIngestProgress(err) as bar:
         res = ingest(paths, store or cfg.store, source, chunk_tokens=chunk_tokens, dtype=dtype, embedder=embedder,
-                     device=pick_device(device or cfg.device), lock_timeout=wait, progress=bar, pipeline=cfg)
+                     device=pick_device(device or cfg.device), lock_timeout=wait, progress=bar, pipeline=cfg,
+                     chunk_prefix=chunk_prefix)
     if as_json:
         _print_json(res.to_json())
         return

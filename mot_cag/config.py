@@ -15,6 +15,7 @@ DEFAULT_PIPELINE = Path("pipelines/default.toml")
 MODES = ("translated", "direct", "native-chunks", "none")
 INJECTIONS = ("auto", "direct", "replay", "replay-joint")
 RECOMPUTE_POLICIES = ("deviation", "start", "spread")
+CHUNK_PREFIXES = ("auto", "prompt", "none")
 
 
 @dataclass
@@ -27,6 +28,10 @@ class PipelineConfig:
         chunk_tokens: Chunk size in source tokens.
         kv_dtype: Stored KV dtype (float16, bfloat16, float32).
         embedder: Sentence-embedding model name or path for retrieval.
+        chunk_prefix: What a new store's chunks are prefilled after: ``prompt`` (the source model's prompt
+            head, kept once at ask time: chunks look as they will be read), ``none`` (each chunk alone from
+            position 0), or ``auto`` (``prompt`` for RoPE models prompted with a chat or completion template,
+            i.e. real models; ``none`` for the zoo's synthetic-QA format and absolute-position models).
         top_k: Chunks retrieved per question.
         mode: Default context mode of ``ask``.
         injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
@@ -44,6 +49,7 @@ class PipelineConfig:
     chunk_tokens: int = 256
     kv_dtype: str = "float16"
     embedder: str = "all-MiniLM-L6-v2"
+    chunk_prefix: str = "auto"
     top_k: int = 4
     mode: str = "translated"
     injection: str = "auto"
@@ -63,6 +69,9 @@ class PipelineConfig:
         if self.recompute_policy not in RECOMPUTE_POLICIES:
             raise MotCagError(f"Pipeline recompute_policy '{self.recompute_policy}' is unknown; use one of "
                               f"{', '.join(RECOMPUTE_POLICIES)}.")
+        if self.chunk_prefix not in CHUNK_PREFIXES:
+            raise MotCagError(f"Pipeline chunk_prefix '{self.chunk_prefix}' is unknown; use one of "
+                              f"{', '.join(CHUNK_PREFIXES)}.")
         if self.top_k < 1:
             raise MotCagError(f"Pipeline top_k must be at least 1, got {self.top_k}.")
         if self.chunk_tokens < 8:

@@ -31,7 +31,7 @@ import torch
 
 from mot_cag.config import PipelineConfig
 from mot_cag.errors import StoreError
-from mot_cag.models.cache import prefill
+from mot_cag.models.cache import KVChunk, Positioner, prefill, prefill_after
 from mot_cag.store.chunker import Chunker
 from mot_cag.store.embed import canonical_name, make_embedder
 from mot_cag.store.manifest import DocChunk
@@ -128,6 +128,7 @@ def ingest(
     progress: IngestProgress | None = None,
     index_save_every_s: float = 60.0,
     pipeline: PipelineConfig | None = None,
+    chunk_prefix: str | None = None,
 ) -> IngestResult:
     """Ingest documents into a store, creating it when absent; resumable and idempotent.
 
@@ -145,6 +146,8 @@ def ingest(
         pipeline: Settings of a new store (``source``, ``chunk_tokens``, ``kv_dtype``, ``embedder``) where
             the arguments above are ``None``; default :class:`~mot_cag.config.PipelineConfig` (qwen2-mini,
             256 tokens, float16, all-MiniLM-L6-v2). An existing store ignores it and keeps what it recorded.
+        chunk_prefix: What a new store's chunks are prefilled after (``auto``, ``prompt``, ``none``; default:
+            the pipeline's, see :class:`~mot_cag.config.PipelineConfig`). An existing store keeps its own.
 
     Raises:
         StoreError: Nothing readable to ingest; the store belongs to another source model, embedder or dtype;
@@ -161,7 +164,8 @@ def ingest(
     fresh = not root.exists()
     try:
         result = _ingest_locked(files, skipped, root, source, chunk_tokens, dtype, embedder, device, lock_timeout,
-                                progress, index_save_every_s, pipeline or PipelineConfig())
+                                progress, index_save_every_s,
+                                (pipeline or PipelineConfig()).override(chunk_prefix=chunk_prefix))
     finally:
         if fresh and not Store.exists(root):
             # Nothing was created (the model was missing, say): leave no empty store folder behind.
@@ -199,6 +203,8 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
             existing.embedder if existing else canonical_name(pipeline.embedder))
         # A new store records the embedding size, so the embedder must be loaded now; an existing one knows it.
         emb = make_embedder(emb_name) if existing is None else None
+        prefix_kind, prefix_ids = ((existing.chunk_prefix, existing.prefix_ids) if existing
+                                   else chunk_prefix_for(src_name, pipeline.chunk_prefix, layout))
         config = StoreConfig(
             # A local folder is recorded absolute so the store names a model that resolves from anywhere.
             StoreSource(str(ref.path) if ref.origin == "local" else src_name, fingerprint(ref.path), layout),
@@ -206,6 +212,8 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
             embedder=emb_name,
             embed_dim=emb.dim if emb is not None else existing.embed_dim,  # type: ignore[union-attr]
             chunk_tokens=existing.chunk_tokens if existing else (chunk_tokens or pipeline.chunk_tokens),
+            chunk_prefix=prefix_kind,
+            prefix_ids=prefix_ids,
         )
         with Store.open_for_write(root, config, embedder=emb) as st:
             # The store keeps the name it was made with: `--source` may be another alias of the same weights.
@@ -221,6 +229,35 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
                 # Also on Ctrl-C: what is committed gets indexed on disk now rather than on the next open.
                 st.save_index()
     return result
+
+
+def chunk_prefix_for(source: str, kind: str, layout) -> tuple[str, tuple[int, ...]]:
+    """The chunk prefix of a new store: ``(kind, prefix token ids)`` for ``auto``, ``prompt`` or ``none``.
+
+    ``prompt`` is the source model's prompt head (:class:`~mot_cag.prompts.PromptFormat`: chat header, system
+    text and instruction, or BOS + instruction for base models): every chunk is prefilled after it, so each
+    chunk's tokens see the context they are later read in, and the head's first token, not each chunk's, is
+    the attention sink. Chunks are moved after prefill, so only RoPE models can use it.
+
+    Raises:
+        StoreError: ``prompt`` asked for an absolute-position model, or a model whose prompt has no head.
+    """
+    if kind == "none":
+        return "none", ()
+    from mot_cag.models.registry import load_model
+    from mot_cag.prompts import prompt_format
+
+    fmt = prompt_format(load_model(source, weights=False))
+    if kind == "auto":
+        if layout.positions != "rope" or fmt.kind == "qa" or not fmt.head:
+            return "none", ()
+        return "prompt", fmt.head
+    if layout.positions != "rope":
+        raise StoreError(f"--chunk-prefix prompt needs a RoPE source model; {source} has absolute positions baked "
+                         "into its cache. Use --chunk-prefix none.")
+    if not fmt.head:
+        raise StoreError(f"{source}'s prompt has no head to prefill chunks after; use --chunk-prefix none.")
+    return "prompt", fmt.head
 
 
 @dataclass
@@ -259,6 +296,8 @@ class _Run:
         self.st, self.src_name, self.chunk_tokens, self.device = st, src_name, chunk_tokens, device
         self.progress, self.result, self.save_every, self._load_model = progress, result, save_every, load_model
         self.lm = None
+        self.prefix_kv: KVChunk | None = None  # the store's chunk prefix, prefilled once
+        self.positioner: Positioner | None = None
         self.chunker: Chunker | None = None
         self.last_save = self.last_flush = time.monotonic()
         self.chunks_seen = 0
@@ -274,9 +313,21 @@ class _Run:
             if self.lm.fingerprint != self.st.source.fingerprint:
                 raise StoreError(f"Source model '{self.src_name}' changed on disk while ingesting; run again.")
             self.chunker = Chunker(self.lm.tokenizer, self.chunk_tokens)
+            prefix = self.st.config.prefix_ids
+            if prefix:
+                self.prefix_kv = prefill(self.lm.model, torch.tensor(prefix, dtype=torch.long))
+                self.positioner = Positioner(self.lm.layout, self.lm.model.config)
             if self.progress is not None:
                 self.progress.update(-1, self.chunks_seen, self.result.tokens)  # throughput counts from here
         return self.lm
+
+    def _prefill(self, lm, token_ids) -> KVChunk:
+        """One chunk's KV, stored at position 0: alone, or after the store's prefix and rotated back to 0."""
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        if self.prefix_kv is None:
+            return prefill(lm.model, ids, start=0)
+        assert self.positioner is not None
+        return self.positioner.reposition(prefill_after(lm.model, ids, self.prefix_kv), 0)
 
     def flush(self, final: bool = False) -> None:
         """Group commit: write document records, sync the filesystem, commit chunk rows, then documents."""
@@ -349,10 +400,9 @@ class _Run:
         tokens = 0
         try:
             for c in self.chunker.chunks(read_blocks(f.path, hasher=hasher)):
-                key = chunk_key(st.source.fingerprint, c.token_ids)
+                key = chunk_key(st.source.fingerprint, c.token_ids, st.config.prefix_ids)
                 if key not in self.batch_keys and not st.has_chunk(key) and st.adopt_chunk(key) is None:
-                    ids = torch.tensor(c.token_ids, dtype=torch.long)
-                    kv = prefill(lm.model, ids, start=0)  # each chunk on its own, from position 0
+                    kv = self._prefill(lm, c.token_ids)
                     self.written.append(st.write_chunk_file(kv, c, docpath, key, durable=False))
                     self.batch_keys.add(key)
                     res.chunks_added += 1  # kept even if this file fails later: content-addressed, reusable

@@ -79,7 +79,13 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     if "translated" in modes:
         from mot_cag.pipeline.translation import translated_builder
 
-        builders["translated"] = translated_builder(source, target, req.translator, req.injection, recompute=repair)
+        prefix = None
+        if req.store:
+            from mot_cag.store.store import Store
+
+            prefix = Store.read_config(req.store).prefix_ids
+        builders["translated"] = translated_builder(source, target, req.translator, req.injection, recompute=repair,
+                                                    chunk_prefix=prefix)
     evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
     pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
     tick = progress(len(examples), 0) if progress else None

@@ -164,6 +164,21 @@ def prefill(model, input_ids: torch.Tensor, start: int = 0) -> KVChunk:
     return chunk
 
 
+@torch.no_grad()
+def prefill_after(model, input_ids: torch.Tensor, prefix: KVChunk | None) -> KVChunk:
+    """Prefill ``input_ids`` right after ``prefix`` (attending to it) and return only their own KV.
+
+    This is how a chunk is made to look as it will be read: after the same prompt head it will follow at
+    question time (Block-Attention / TurboRAG style). The result starts at ``prefix.end`` (0 without a prefix);
+    the prefix's own rows are dropped.
+    """
+    if prefix is None or prefix.length == 0:
+        return prefill(model, input_ids, start=0 if prefix is None else prefix.end)
+    _, chunk = forward(model, input_ids, prefix)
+    assert chunk is not None
+    return chunk.slice(prefix.length, chunk.length)
+
+
 # ------------------------------------------------------------------------------------------ positioning
 
 

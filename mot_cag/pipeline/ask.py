@@ -68,7 +68,8 @@ class Asker:
                 raise MotCagError(f"Model '{self.source_name}' on this machine differs from the one that made store "
                                   f"{self.store.root}; re-ingest the documents.")
             self.builder: ContextBuilder = translated_builder(source, self.target, translator, injection,
-                                                              recompute=recompute)
+                                                              recompute=recompute,
+                                                              chunk_prefix=self.store.config.prefix_ids)
         else:
             self.builder = make_builder(mode, self.target, recompute=recompute)
 

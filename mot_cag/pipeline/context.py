@@ -145,6 +145,7 @@ class ContextBuilder:
         self.head = list(self.prompt.head)
         self.positioner = kv.Positioner(target.layout, target.model.config)
         self._head_kv: kv.KVChunk | None = None
+        self._sep_ids: list[int] | None = None
 
     def build(self, pieces: list[Piece]) -> TargetContext:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -157,8 +158,18 @@ class ContextBuilder:
             self._head_kv = kv.prefill(self.target.model, as_tensor(self.head, self.device))
         return self._head_kv
 
+    @property
+    def sep_ids(self) -> list[int]:
+        """Token ids of the format's piece separator, appended to every piece (empty for ``qa``)."""
+        if self._sep_ids is None:
+            sep = self.prompt.separator
+            self._sep_ids = encode(self.target.tokenizer, sep) if sep else []
+        return self._sep_ids
+
     def piece_ids(self, piece: Piece) -> list[int]:
-        return encode(self.target.tokenizer, self.prompt.piece_text(piece.text))
+        """The piece's target ids as every mode reads them: its text, then the separator tokens. Encoded apart
+        so the text's ids are the stored chunk's and the separator is the same tokens after every piece."""
+        return encode(self.target.tokenizer, piece.text) + self.sep_ids
 
 
 class NoneContext(ContextBuilder):
@@ -187,20 +198,41 @@ class DirectContext(ContextBuilder):
 
 
 class _JoinedChunks(ContextBuilder):
-    """Shared assembly of per-piece caches: the prompt head first, then each piece placed after the previous one.
+    """Shared assembly of per-piece caches: the prompt head first, then each piece placed after the previous one,
+    each followed by the format's separator.
 
-    RoPE targets make each piece once at position 0 (cached by piece) and move it by rotation; absolute-position
-    targets make it where it will sit (cached by piece and position), since positions live in every layer.
+    RoPE targets make each piece once (cached by piece) and move it by rotation; absolute-position targets make
+    it where it will sit (cached by piece and position), since positions live in every layer. With
+    :attr:`prefixed`, pieces and separators are made after the prompt head (attending to it, the head's KV
+    kept once at the front): each piece then sees the context it is read in, and the head's first token is
+    the attention sink instead of each piece's (Block-Attention, TurboRAG). Without it each is made alone.
     Subclasses say how one piece's cache is made (:meth:`make`) and which timing it counts as.
+
+    Args:
+        target: The answering model.
+        cache: LRU of made pieces (shared across builders of one target, optional).
+        recompute: Cross-chunk repair of the joined context (default off).
+        prompt: The target's prompt format (default: its own).
+        prefixed: Make pieces after the prompt head (default: for RoPE targets whose format has a head other
+            than the zoo's BOS, i.e. chat and completion prompts of real models).
     """
 
     timing = "prefill_s"
+    #: Whether the separator follows every piece (translators cover a chunk's own text only).
+    separated = True
 
     def __init__(self, target: LoadedModel, cache: LRU | None = None, recompute: Recompute | None = None,
-                 prompt: PromptFormat | None = None):
+                 prompt: PromptFormat | None = None, prefixed: bool | None = None):
         super().__init__(target, prompt)
         self.cache = cache if cache is not None else LRU()
         self.recompute = recompute or Recompute()
+        rope = target.layout.positions == "rope"
+        if prefixed is None:
+            prefixed = rope and self.prompt.kind != "qa" and bool(self.head)
+        if prefixed and not rope:
+            raise MotCagError(f"{target.name} has absolute positions: its pieces cannot be prefilled after the "
+                              "prompt head and moved; use prefixed=False.")
+        self.prefixed = prefixed
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -209,34 +241,55 @@ class _JoinedChunks(ContextBuilder):
         """The joined context, repaired by :attr:`recompute` when its ratio is above 0."""
         return self.recompute.apply(self.target.model, self.join(pieces))
 
+    def piece_ids(self, piece: Piece) -> list[int]:
+        """The piece's own ids (the separator is a part of its own, see :meth:`join`)."""
+        return encode(self.target.tokenizer, piece.text)
+
+    def own_prefill(self, ids: list[int], start: int) -> kv.KVChunk:
+        """The target's own KV of ``ids``: after the prompt head when :attr:`prefixed` (placed at
+        ``len(head)``), else alone at ``start``."""
+        if self.prefixed:
+            return kv.prefill_after(self.target.model, as_tensor(ids, self.device), self._head_chunk())
+        return kv.prefill(self.target.model, as_tensor(ids, self.device), start=start)
+
+    def _place(self, key: str, make: Callable[[int], kv.KVChunk], pos: int) -> kv.KVChunk:
+        """A cached part moved to ``pos`` (RoPE), or made at ``pos`` (absolute positions)."""
+        if self.target.layout.positions == "rope":
+            return self.positioner.reposition(self.cache.get_or(key, lambda: make(0)), pos)
+        return self.cache.get_or((key, pos), lambda: make(pos))
+
     def join(self, pieces: list[Piece]) -> TargetContext:
         """Each piece's cache made (or taken from the LRU) and placed after the previous one."""
         t0 = time.perf_counter()
-        parts = [c for c in [self._head_chunk()] if c is not None]
-        parts = [self.head_part(c) for c in parts]
+        parts = [self.head_part(c) for c in [self._head_chunk()] if c is not None]
         pos = len(self.head)
         all_ids = list(self.head)
         starts: list[int] = [0]
-        rope = self.target.layout.positions == "rope"
+        sep = self.sep_ids if self.separated else []
         for p in pieces:
             ids = self.piece_ids(p)
             if not ids:
                 continue
             if len(all_ids) > len(self.head):
                 starts.append(pos)
+            part = self._place(p.cache_key, lambda at, p=p, ids=ids: self.make(p, ids, at), pos)
+            if part.length != len(ids):
+                raise MotCagError(f"A context piece's cache holds {part.length} tokens but its text encodes to "
+                                  f"{len(ids)} {self.target.name} tokens; the store was made with another "
+                                  "tokenizer: re-ingest it.")
+            parts.append(part)
             all_ids += ids
-            if rope:
-                at0 = self.cache.get_or(p.cache_key, lambda p=p, ids=ids: self.make(p, ids, 0))
-                parts.append(self.positioner.reposition(at0, pos))
-            else:
-                key = (p.cache_key, pos)
-                parts.append(self.cache.get_or(key, lambda p=p, ids=ids, pos=pos: self.make(p, ids, pos)))
             pos += len(ids)
+            if sep:
+                starts.append(pos)
+                parts.append(self._place(f"\0separator/{type(self).__name__}", lambda at: self.head_part(self.own_prefill(sep, at)), pos))
+                all_ids += sep
+                pos += len(sep)
         chunk = kv.join(parts) if parts else None
         return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids, starts)
 
     def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
-        """The head chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
+        """A target-made chunk as it enters the join (all layers; subclasses joining fewer layers select them)."""
         return chunk
 
 
@@ -246,7 +299,7 @@ class NativeChunksContext(_JoinedChunks):
     mode = "native-chunks"
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
-        return kv.prefill(self.target.model, as_tensor(ids, self.device), start=start)
+        return self.own_prefill(ids, start)
 
 
 TranslateFn = Callable[[Piece, int], kv.KVChunk]
@@ -267,13 +320,10 @@ class TranslatedContext(_JoinedChunks):
     timing = "translate_s"
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None,
-                 recompute: Recompute | None = None, prompt: PromptFormat | None = None):
-        super().__init__(target, cache, recompute, prompt)
+                 recompute: Recompute | None = None, prompt: PromptFormat | None = None,
+                 prefixed: bool | None = None):
+        super().__init__(target, cache, recompute, prompt, prefixed)
         self.translate_piece = translate_piece
-
-    def piece_ids(self, piece: Piece) -> list[int]:
-        # Translators cover the stored chunk's own text; the prompt's piece separator is not part of it.
-        return encode(self.target.tokenizer, piece.text)
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
         return self.translate_piece(piece, start)

@@ -106,6 +106,7 @@ def translated_builder(
     injection: str = "auto",
     cache: LRU | None = None,
     recompute: Recompute | None = None,
+    chunk_prefix: tuple[int, ...] | None = None,
 ) -> TranslatedContext:
     """The ``translated`` context builder of a pair with the chosen injection.
 
@@ -118,13 +119,23 @@ def translated_builder(
             the target is the source model (its stored caches are used as they are).
         cache: LRU of translated pieces (shared across builders of one target, optional).
         recompute: Cross-chunk repair applied to the assembled context (default: off).
+        chunk_prefix: The prefix ids the store's chunks were prefilled after (:attr:`~mot_cag.store.store.
+            StoreConfig.prefix_ids`; empty: none), when known. With the source as target, a non-empty prefix
+            must be the target's prompt head, whose KV then stands once before the stored chunks.
 
     Raises:
-        MotCagError: Unknown injection; TranslatorError: a translator that cannot inject that way.
+        MotCagError: Unknown injection; a store prefilled after another prompt head than the target's;
+            TranslatorError: a translator that cannot inject that way.
     """
     check_injection_name(injection)
     if same_model(source, target):
-        return TranslatedContext(target, piece_translator(source, target), cache, recompute)
+        prefixed = None if chunk_prefix is None else bool(chunk_prefix)
+        builder = TranslatedContext(target, piece_translator(source, target), cache, recompute, prefixed=prefixed)
+        if chunk_prefix and tuple(chunk_prefix) != tuple(builder.head):
+            raise MotCagError(f"This store's chunks were prefilled after another prompt head than {target.name}'s "
+                              "current one (its chat template or instruction changed); ingest the documents into a "
+                              "new store.")
+        return builder
     from mot_cag.translate.inject import check_injection
 
     tr = _load(source, target, translator)

@@ -11,7 +11,9 @@ Layout of a store folder::
 
 Chunk files are the truth: each is self-describing (source, fingerprint, layout, token ids, text, document,
 offsets, checksums), so the manifest can be rebuilt by scanning them (``verify --repair``), and the index is
-rebuilt from the embeddings the manifest keeps. Chunk KV is prefilled at position 0 (``start`` 0) with no BOS.
+rebuilt from the embeddings the manifest keeps. Chunk KV is stored at position 0 (``start`` 0) with no BOS; a
+store with ``chunk_prefix = "prompt"`` prefilled each chunk after the source's prompt head (``prefix_ids``) and
+rotated it back to position 0.
 
 Keys: ``sha256("mot-cag-chunk/1" | source fingerprint | int32 token ids)``, 32 hex digits, so the same
 tokens under the same source model are stored once, whatever document they came from.
@@ -50,6 +52,8 @@ DOCS_DIR = "documents"
 LOCK_FILE = "writer.lock"
 DEFAULT_STORE = "stores/default"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: What a store's chunks are prefilled after (:attr:`StoreConfig.chunk_prefix`).
+CHUNK_PREFIXES = ("none", "prompt")
 
 #: Chunk-file metadata fields covered by ``meta_checksum`` (a field absent counts as ``""``). ``token_ids`` and
 #: ``text`` are metadata only in chunk format 1; format 2 stores them as tensors, covered by the tensor checksum
@@ -87,6 +91,11 @@ class StoreConfig:
         embed_dim: Embedding size.
         chunk_tokens: Default chunk size in source tokens.
         format: Store format version.
+        chunk_prefix: What every chunk was prefilled after: ``none`` (alone, from position 0) or ``prompt``
+            (after the source model's prompt head, :attr:`prefix_ids`, whose own KV is not stored: a chunk then
+            looks as it will be read, after that head). A store's prefix never changes; another prefix is
+            another store.
+        prefix_ids: The source token ids of that prefix (empty for ``none``).
     """
 
     source: StoreSource
@@ -95,12 +104,20 @@ class StoreConfig:
     embed_dim: int = 384
     chunk_tokens: int = 256
     format: str = STORE_FORMAT
+    chunk_prefix: str = "none"
+    prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise StoreError(f"KV dtype '{self.dtype}' is not supported; use one of {', '.join(DTYPES)}.")
         if self.chunk_tokens < 8:
             raise StoreError(f"Chunks of {self.chunk_tokens} tokens are too small; use --chunk-tokens 8 or more.")
+        object.__setattr__(self, "prefix_ids", tuple(int(i) for i in self.prefix_ids))
+        if self.chunk_prefix not in CHUNK_PREFIXES:
+            raise StoreError(f"Chunk prefix '{self.chunk_prefix}' is unknown; use one of {', '.join(CHUNK_PREFIXES)}.")
+        if (self.chunk_prefix == "none") != (not self.prefix_ids):
+            raise StoreError(f"Chunk prefix '{self.chunk_prefix}' with {len(self.prefix_ids)} prefix tokens is "
+                             "inconsistent: 'none' has no tokens, 'prompt' needs them.")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -111,6 +128,7 @@ class StoreConfig:
         """JSON form."""
         d = asdict(self)
         d["source"]["layout"] = self.source.layout.to_dict()
+        d["prefix_ids"] = list(self.prefix_ids)
         return d
 
     @classmethod
@@ -122,11 +140,15 @@ class StoreConfig:
         return cls(source=source, **{k: v for k, v in d.items() if k in names})
 
 
-def chunk_key(fingerprint: str, token_ids: Iterable[int]) -> str:
-    """Content address of a chunk: hash of the source model identity and the chunk's token ids."""
+def chunk_key(fingerprint: str, token_ids: Iterable[int], prefix_ids: Iterable[int] = ()) -> str:
+    """Content address of a chunk: hash of the source model identity, the chunk's token ids and, when the chunk
+    was prefilled after a prefix, that prefix's ids (the same tokens after another prefix are other KV)."""
     h = hashlib.sha256(b"mot-cag-chunk/1\0")
     h.update(fingerprint.encode() + b"\0")
     h.update(np.asarray(list(token_ids), dtype="<i4").tobytes())
+    prefix = list(prefix_ids)
+    if prefix:  # absent for prefix-free chunks, so their keys are those of earlier stores
+        h.update(b"\0prefix\0" + np.asarray(prefix, dtype="<i4").tobytes())
     return h.hexdigest()[:32]
 
 
@@ -438,6 +460,7 @@ class Store:
             "bytes_per_token": round(t["bytes"] / t["tokens"], 2) if t["tokens"] else 0.0,
             "fingerprint": self.source.fingerprint, "dtype": self.config.dtype,
             "embedder": self.config.embedder, "store": str(self.root),
+            "chunk_prefix": self.config.chunk_prefix, "prefix_tokens": len(self.config.prefix_ids),
         }
 
     # ---------------------------------------------------------------------------------------- reading
@@ -692,7 +715,8 @@ class Store:
         """Take an existing, valid chunk file that has no manifest row (a crash after the rename) into the
         manifest, so resuming does not prefill it again. Returns ``None`` when there is no usable file."""
         path = self.file(key)
-        if not path.is_file() or check_chunk_file(path, key, self.source) is not None:
+        prefix = self.config.prefix_ids
+        if not path.is_file() or check_chunk_file(path, key, self.source, prefix_ids=prefix) is not None:
             return None
         _, text, meta = chunkfile.read_content(path)
         with self.manifest.transaction():
@@ -790,8 +814,8 @@ class Store:
         bad: list[str] = []
         for n, row in enumerate(rows, 1):
             path = self.root / row.file
-            reason = "file missing" if not path.is_file() else check_chunk_file(path, row.key, self.source,
-                                                                                 row.checksum)
+            reason = "file missing" if not path.is_file() else check_chunk_file(
+                path, row.key, self.source, row.checksum, self.config.prefix_ids)
             if reason is not None:
                 bad.append(row.key)
                 report.problems.append(Problem("missing" if reason == "file missing" else "damaged", row.key,
@@ -852,7 +876,8 @@ class Store:
                 note.fixed = True
 
 
-def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: str | None = None) -> str | None:
+def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: str | None = None,
+                     prefix_ids: Iterable[int] = ()) -> str | None:
     """Why the chunk file at ``path`` is not a valid copy of chunk ``key``, or ``None`` when it is.
 
     Checks, in order: the header parses and is a mot-cag chunk (format 1 or 2); the metadata fields are
@@ -874,7 +899,7 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         return "token ids unreadable"
     if meta.get("fingerprint") != source.fingerprint:
         return f"made by another source model (fingerprint {meta.get('fingerprint')})"
-    if chunk_key(source.fingerprint, ids) != key:
+    if chunk_key(source.fingerprint, ids, prefix_ids) != key:
         return "token ids do not hash to the chunk key"
     if meta.get("start") != "0":
         return f"prefilled at position {meta.get('start')}, store chunks are prefilled at 0"
@@ -922,7 +947,7 @@ def rebuild_manifest(root: str | Path, config: StoreConfig | None = None) -> tup
     st = Store(root, config, Manifest(root / MANIFEST_FILE))
     problems: list[Problem] = []
     for f in sorted((root / CHUNKS_DIR).glob("*/*.safetensors")):
-        reason = check_chunk_file(f, f.stem, config.source)
+        reason = check_chunk_file(f, f.stem, config.source, prefix_ids=config.prefix_ids)
         if reason is not None:
             f.unlink(missing_ok=True)
             problems.append(Problem("damaged", f.stem, f"{f}: {reason}; removed", fixed=True))
