@@ -1,12 +1,16 @@
-"""Time to first token: translated caches vs the target reading the text (direct), same run.
+"""Time to first token: translated (or stored) caches vs the target reading the text (direct), same run.
 
     .venv/bin/python benchmarks/bench_ask.py [--source qwen2-mini] [--targets ...] [--lengths 1024 2048 4096]
-        [--injection auto|direct|replay|replay-joint]
+        [--injection auto|direct|replay|replay-joint] [--recompute 0 0.15] [--policy deviation]
 
 For each target and context length (retrieved tokens, in ~256-token chunks of synthetic documents), measures
 the median over repeats of: direct (target prefills the text, then the first answer token), translated cold
-(translate every chunk, assemble, first token) and translated warm (translated-chunk LRU hit). Source chunk
-caches are prefilled beforehand, as they sit in the store. Prints ratios against direct, the KV bytes of the
+(translate every chunk, assemble, first token) and translated warm (translated-chunk LRU hit), for each
+``--recompute`` ratio (cross-chunk repair after assembly, part of both cold and warm). When the target is the
+source model, its chunks come from a real store ingested beforehand (prefilled after the prompt head for real
+models, ``chunk_prefix`` auto) and cold loads them from disk: that is the stored-chunk path of ``mot-cag ask``.
+Otherwise source chunk caches are prefilled beforehand in memory. The question is read through the target's
+prompt format (chat template for real instruct models). Prints ratios against direct, the KV bytes of the
 assembled context and the process's peak RSS. Without a trained translator for a pair, an untrained one of the
 same architecture is timed (the cost does not depend on the weights) and the row says so.
 """
@@ -23,13 +27,14 @@ import torch
 from mot_cag.data.synthetic import WorldBuilder, render_document
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import load_model
-from mot_cag.pipeline.context import LRU, DirectContext, Piece
+from mot_cag.pipeline.context import LRU, DirectContext, Piece, Recompute
 from mot_cag.pipeline.translation import translated_builder
-from mot_cag.prompts import as_tensor, encode, qa_suffix
+from mot_cag.prompts import as_tensor, encode
 
 
-def make_pieces(source, n_tokens: int, chunk_tokens: int = 256, seed: int = 0) -> list[Piece]:
-    """Chunks of synthetic documents totalling about ``n_tokens`` source tokens, with source KV."""
+def make_pieces(source, n_tokens: int, chunk_tokens: int = 256, seed: int = 0, with_kv: bool = True) -> list[Piece]:
+    """Chunks of synthetic documents totalling about ``n_tokens`` source tokens, with source KV (prefilled alone
+    at 0) when ``with_kv``."""
     import random
 
     wb = WorldBuilder(random.Random(seed))
@@ -41,10 +46,31 @@ def make_pieces(source, n_tokens: int, chunk_tokens: int = 256, seed: int = 0) -
         ids = encode(source.tokenizer, text)[:chunk_tokens]
         text = source.tokenizer.decode(ids)
         ids = encode(source.tokenizer, text)
-        chunk = kv.prefill(source.model, as_tensor(ids))
+        chunk = kv.prefill(source.model, as_tensor(ids)) if with_kv else None
         pieces.append(Piece(text, key=f"{seed}-{len(pieces)}", source_kv=lambda c=chunk: c))
         total += len(ids)
     return pieces
+
+
+def store_pieces(source, pieces: list[Piece], root: str) -> list[Piece]:
+    """The same texts ingested into a store at ``root`` by ``source``; pieces that load their KV from it."""
+    from pathlib import Path
+
+    from mot_cag.ingest import ingest
+    from mot_cag.store.store import Store
+
+    docs = Path(root) / "docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    for i, p in enumerate(pieces):
+        (docs / f"doc-{i:03d}.txt").write_text(p.text + "\n", encoding="utf-8")
+    ingest([docs], Path(root) / "store", source.name, chunk_tokens=512, embedder="hash")
+    store = Store.open(Path(root) / "store")
+    out = []
+    for doc in sorted(store.manifest.documents(), key=lambda d: d.path):
+        for place in store.manifest.doc_chunks(doc.id):
+            text = store.chunk_info(place.key).text
+            out.append(Piece(text, key=place.key, source_kv=lambda k=place.key: store.load(k, dtype=torch.float32)))
+    return out
 
 
 def first_token_s(target, builder, pieces, suffix) -> tuple[float, int]:
@@ -83,46 +109,63 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     parser.add_argument("--injection", default="auto", help="auto, direct, replay or replay-joint")
+    parser.add_argument("--recompute", nargs="+", type=float, default=[0.0],
+                        help="cross-chunk repair ratios to time (each one a row)")
+    parser.add_argument("--policy", default="deviation", help="recompute policy: deviation, start or spread")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     source = load_model(args.source)
-    suffix_text = qa_suffix("Where was Ana Brell born?", "Ana Brell was born in")
-    print(f"source {source.name}; injection {args.injection}; median of {args.repeats}; times in seconds")
-    print(f"{'target':>12} {'tokens':>6} {'direct':>8} {'transl':>8} {'warm':>8} {'tr/dir':>7} {'warm/dir':>8} "
-          f"{'ctx MB':>7}  translator")
+    question = "Where was Ana Brell born?"
+    print(f"source {source.name}; injection {args.injection}; recompute policy {args.policy}; median of "
+          f"{args.repeats}; times in seconds")
+    print(f"{'target':>20} {'tokens':>6} {'R':>5} {'direct':>8} {'transl':>8} {'warm':>8} {'tr/dir':>7} "
+          f"{'warm/dir':>8} {'ctx MB':>7}  translator")
     for name in args.targets:
         target = load_model(name)
         path, status = translator_for(source, target)
-        suffix = encode(target.tokenizer, suffix_text)
+        fmt = DirectContext(target).prompt
+        suffix = encode(target.tokenizer, fmt.suffix_text(question, "Ana Brell was born in"))
         longest = target.layout.max_positions - len(suffix) - 16
         if target.layout.positions == "rope":
             # RoPE has no position table: longer contexts run (past the trained range: timing only).
             longest = max(longest, max(args.lengths))
         lengths = sorted({n for n in args.lengths if n <= longest} | {longest})
         for n in lengths:
-            pieces = make_pieces(source, n, chunk_tokens=min(256, longest // 4), seed=n)
+            same = source.fingerprint == target.fingerprint
+            pieces = make_pieces(source, n, chunk_tokens=min(256, longest // 4), seed=n, with_kv=not same)
             while pieces and sum(len(encode(target.tokenizer, p.text)) for p in pieces) > longest:
                 pieces.pop()
+            tmp = None
+            if same:
+                import tempfile
+
+                tmp = tempfile.TemporaryDirectory()
+                pieces = store_pieces(source, pieces, tmp.name)
             direct = DirectContext(target)
-            cache = LRU()
-            translated = translated_builder(source, target, path, args.injection, cache)
-            d, t, w = [], [], []
-            nbytes = 0
             first_token_s(target, direct, pieces, suffix)  # warm-up: allocator, kernels
-            first_token_s(target, translated, pieces, suffix)
-            for _ in range(args.repeats):
-                d.append(first_token_s(target, direct, pieces, suffix)[0])
-                cache.clear()
-                elapsed, nbytes = first_token_s(target, translated, pieces, suffix)
-                t.append(elapsed)
-                w.append(first_token_s(target, translated, pieces, suffix)[0])
+            d = [first_token_s(target, direct, pieces, suffix)[0] for _ in range(args.repeats)]
+            md = statistics.median(d)
             ntok = sum(len(encode(target.tokenizer, p.text)) for p in pieces)
-            md, mt, mw = statistics.median(d), statistics.median(t), statistics.median(w)
             past = " (past the trained positions: timing only)" if ntok > target.layout.max_positions else ""
-            print(f"{name:>12} {ntok:>6} {md:>8.4f} {mt:>8.4f} {mw:>8.4f} {mt / md:>7.3f} {mw / md:>8.3f} "
-                  f"{nbytes / 1e6:>7.2f}  {status}{past}")
+            for ratio in args.recompute:
+                cache = LRU()
+                translated = translated_builder(source, target, path, args.injection, cache,
+                                                Recompute(ratio, args.policy))
+                first_token_s(target, translated, pieces, suffix)
+                t, w = [], []
+                nbytes = 0
+                for _ in range(args.repeats):
+                    cache.clear()
+                    elapsed, nbytes = first_token_s(target, translated, pieces, suffix)
+                    t.append(elapsed)
+                    w.append(first_token_s(target, translated, pieces, suffix)[0])
+                mt, mw = statistics.median(t), statistics.median(w)
+                print(f"{name:>20} {ntok:>6} {ratio:>5.2f} {md:>8.4f} {mt:>8.4f} {mw:>8.4f} {mt / md:>7.3f} "
+                      f"{mw / md:>8.3f} {nbytes / 1e6:>7.2f}  {status}{past}", flush=True)
+            if tmp is not None:
+                tmp.cleanup()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this run: {peak:.0f} MB")
 

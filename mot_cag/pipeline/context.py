@@ -282,7 +282,8 @@ class _JoinedChunks(ContextBuilder):
             pos += len(ids)
             if sep:
                 starts.append(pos)
-                parts.append(self._place(f"\0separator/{type(self).__name__}", lambda at: self.head_part(self.own_prefill(sep, at)), pos))
+                make_sep = lambda at: self.head_part(self.own_prefill(sep, at))  # noqa: E731 - one-line factory
+                parts.append(self._place(f"\0separator/{type(self).__name__}", make_sep, pos))
                 all_ids += sep
                 pos += len(sep)
         chunk = kv.join(parts) if parts else None

@@ -1,0 +1,140 @@
+"""Chunks prefilled the way they are read (issue [2]): after the prompt head, kept once, with the format's
+separator after every piece, recorded by the store and checked at ask time."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mot_cag.errors import MotCagError, StoreError
+from mot_cag.models import cache as kv
+from mot_cag.pipeline.context import DirectContext, NativeChunksContext, Piece
+from mot_cag.pipeline.translation import translated_builder
+from mot_cag.prompts import as_tensor, encode, prompt_format
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DOCS = {"a.txt": "Ana Brell was born in Corvale. The favorite color of Ana Brell is green.",
+        "b.txt": "Tomas Reddick works as a baker. The access code of Tomas Reddick is 48213.",
+        "c.txt": "Mira Hollen lives in Pastowe. Mira Hollen plays the violin."}
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_dir, tmp_path_factory):
+    """A copy of the tiny Qwen2 folder whose tokenizer carries a chat template (as a real instruct model's)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("chat") / "tiny-qwen2-chat"
+    shutil.copytree(tiny_dir / "tiny-qwen2", path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_lm(chat_model_dir):
+    from mot_cag.models.registry import load_model
+
+    lm = load_model(str(chat_model_dir))
+    assert prompt_format(lm).kind == "chat", "the saved template must survive loading"
+    return lm
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (root / name).write_text(text + "\n", encoding="utf-8")
+    return root
+
+
+def _ingest(docs, store, source, **kw):
+    from mot_cag.ingest import ingest
+
+    return ingest([str(docs)], str(store), source=source, embedder="hash", **kw)
+
+
+def test_prefill_after_equals_the_rows_of_one_pass(chat_lm):
+    model = chat_lm.model
+    head = as_tensor(list(prompt_format(chat_lm).head))
+    ids = as_tensor(encode(chat_lm.tokenizer, DOCS["a.txt"]))
+    whole = kv.prefill(model, torch.cat([head, ids]))
+    after = kv.prefill_after(model, ids, kv.prefill(model, head))
+    assert after.start == len(head) and after.length == len(ids)
+    torch.testing.assert_close(after.keys, whole.keys[:, :, len(head):], rtol=0, atol=1e-5)
+    torch.testing.assert_close(after.values, whole.values[:, :, len(head):], rtol=0, atol=1e-5)
+
+
+def test_new_store_of_a_chat_model_prefills_chunks_after_its_prompt_head(chat_model_dir, chat_lm, docs, tmp_path):
+    from mot_cag.store.store import Store
+
+    store = tmp_path / "store"
+    _ingest(docs, store, str(chat_model_dir))
+    cfg = Store.read_config(store)
+    head = prompt_format(chat_lm).head
+    assert cfg.chunk_prefix == "prompt" and cfg.prefix_ids == head
+    st = Store.open(store)
+    assert st.info()["chunk_prefix"] == "prompt" and st.verify().ok
+    positioner = kv.Positioner(chat_lm.layout, chat_lm.model.config)
+    for row in st.manifest.iter_chunks():
+        info = st.chunk_info(row.key)
+        want = positioner.reposition(
+            kv.prefill_after(chat_lm.model, as_tensor(info.token_ids), kv.prefill(chat_lm.model, as_tensor(head))), 0)
+        got = st.load(row.key, dtype=torch.float32)
+        assert got.start == 0
+        torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=5e-3)  # stored in fp16
+        torch.testing.assert_close(got.values, want.values, rtol=0, atol=5e-3)
+    st.close()
+    again = _ingest(docs, store, str(chat_model_dir))
+    assert again.chunks_added == 0  # idempotent under the prefix too
+
+
+def test_the_zoo_format_keeps_prefix_free_chunks_and_the_choice_is_explicit(tiny_dir, chat_model_dir, docs, tmp_path):
+    from mot_cag.store.store import Store, chunk_key
+
+    _ingest(docs, tmp_path / "zoo", str(tiny_dir / "tiny-qwen2"))
+    assert Store.read_config(tmp_path / "zoo").chunk_prefix == "none"
+    _ingest(docs, tmp_path / "alone", str(chat_model_dir), chunk_prefix="none")
+    assert Store.read_config(tmp_path / "alone").prefix_ids == ()
+    with pytest.raises(StoreError, match="RoPE"):
+        _ingest(docs, tmp_path / "opt", str(tiny_dir / "tiny-opt"), chunk_prefix="prompt")
+    # The same tokens after a prefix are other KV: another key.
+    assert chunk_key("fp", [1, 2, 3], [7, 8]) != chunk_key("fp", [1, 2, 3])
+    assert chunk_key("fp", [1, 2, 3], ()) == chunk_key("fp", [1, 2, 3])
+
+
+def test_stored_chunks_native_chunks_and_direct_read_the_same_tokens(chat_model_dir, chat_lm, docs, tmp_path):
+    from mot_cag.pipeline.retrieval import hits_to_pieces
+    from mot_cag.store.store import Store
+
+    _ingest(docs, tmp_path / "store", str(chat_model_dir))
+    st = Store.open(tmp_path / "store")
+    pieces = hits_to_pieces(st, st.search("Where was Ana Brell born?", k=3))
+    direct = DirectContext(chat_lm).build(pieces)
+    native = NativeChunksContext(chat_lm).build(pieces)
+    stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids).build(pieces)
+    assert direct.ids == native.ids == stored.ids
+    sep = encode(chat_lm.tokenizer, "\n\n")
+    assert direct.ids[-len(sep):] == sep  # every piece, the last included, ends with the separator
+    assert stored.kv.length == native.kv.length == len(direct.ids)
+    # Stored and native chunks are the same computation (the store keeps fp16).
+    torch.testing.assert_close(stored.kv.keys, native.kv.keys, rtol=0, atol=5e-3)
+    # The first piece after the head is exactly what a single pass computes there.
+    n = len(prompt_format(chat_lm).head) + len(encode(chat_lm.tokenizer, pieces[0].text))
+    torch.testing.assert_close(native.kv.keys[:, :, :n], direct.kv.keys[:, :, :n], rtol=0, atol=1e-4)
+    st.close()
+
+
+def test_a_store_prefilled_after_another_head_is_refused(chat_lm):
+    with pytest.raises(MotCagError, match="new store"):
+        translated_builder(chat_lm, chat_lm, chunk_prefix=(1, 2, 3))
+
+
+def test_prefix_conditioning_needs_rope(tiny_models):
+    with pytest.raises(MotCagError, match="absolute positions"):
+        NativeChunksContext(tiny_models["opt"], prefixed=True)
+    assert NativeChunksContext(tiny_models["qwen2"]).prefixed is False  # the zoo's qa format: chunks alone
+    assert NativeChunksContext(tiny_models["qwen2"], prefixed=True).build([Piece("Ana Brell was born in Corvale.")])
