@@ -45,6 +45,21 @@ InjectionOpt = Annotated[str | None, typer.Option(
          "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention).")]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from mot_cag import __version__
+
+        print(f"mot-cag {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Cache-augmented generation across heterogeneous LLMs: ingest documents once as KV caches, answer with
+    any target model through Mixture-of-Translators cache translation."""
+
+
 def _print_json(data) -> None:
     print(json.dumps(data, indent=2))
 
@@ -591,7 +606,7 @@ PipelineOpt = Annotated[str | None, typer.Option("--pipeline", help="Pipeline TO
 
 @app.command("ask")
 def ask_cmd(
-    question: Annotated[str, typer.Argument(help="The question.")],
+    question: Annotated[str, typer.Argument(help="The question; - reads it from standard input.")],
     target: Annotated[str | None, typer.Option(help="Model that answers (zoo name, alias, HF id, folder).")] = None,
     store: Annotated[str | None, typer.Option(help="Store folder (default from the pipeline).")] = None,
     top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
@@ -615,6 +630,8 @@ def ask_cmd(
     cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode, injection=injection,
                                                       recompute=recompute, recompute_policy=recompute_policy,
                                                       max_new_tokens=max_new_tokens, device=device)
+    if question == "-":
+        question = sys.stdin.read().strip()
     target = target or cfg.targets[0]
     asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
                   max_new_tokens=cfg.max_new_tokens, injection=cfg.injection,

@@ -160,6 +160,8 @@ def ingest(
     if not files:
         raise _nothing_to_do(paths, skipped)
     root = Path(store)
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"--store {root} is a file, not a store folder; pass a folder path (it is created if absent).")
     note = progress.note if progress is not None else None
     fresh = not root.exists()
     try:

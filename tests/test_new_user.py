@@ -1,0 +1,55 @@
+"""What a new user trips over (issue [5], first items): --version, `ask -` reading stdin, the top-level
+imports, and `ingest --store FILE`."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from clirun import run_cli
+
+DOCS = {"ana.txt": "Ana Brell was born in Corvale. Ana Brell works as a baker.",
+        "mira.txt": "Mira Hollen plays the violin. Mira Hollen is employed by Quorvex."}
+
+
+def test_version(monkeypatch, capsys):
+    import mot_cag
+
+    code, out, _ = run_cli(monkeypatch, capsys, "--version")
+    assert code == 0 and out.strip() == f"mot-cag {mot_cag.__version__}"
+
+
+def test_top_level_imports():
+    from mot_cag import Asker, Store
+    from mot_cag.pipeline.ask import Asker as A
+    from mot_cag.store.store import Store as S
+
+    assert Asker is A and Store is S
+
+
+def test_ask_dash_reads_the_question_from_stdin(tiny_dir, tmp_path, monkeypatch, capsys):
+    from mot_cag.ingest import ingest
+
+    for name, text in DOCS.items():
+        (tmp_path / name).write_text(text)
+    store = tmp_path / "store"
+    ingest([tmp_path], store=store, source=str(tiny_dir / "tiny-qwen2"), embedder="hash")
+    # Two questions from stdin retrieve their own documents: the question read drove retrieval, not "-".
+    for question, doc in (("Who employs Mira Hollen?", "mira.txt"), ("Where was Ana Brell born?", "ana.txt")):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(question + "\n"))
+        code, out, err = run_cli(monkeypatch, capsys, "ask", "-", "--store", str(store), "--target",
+                                 str(tiny_dir / "tiny-qwen2"), "--mode", "direct", "--top-k", "1", "--json",
+                                 "--device", "cpu")
+        assert code == 0, err
+        assert json.loads(out)["chunks"][0]["doc"].endswith(doc)
+
+
+def test_ingest_into_a_file_is_one_clear_error(tiny_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.txt").write_text(DOCS["ana.txt"])
+    target = tmp_path / "not-a-folder"
+    target.write_text("precious")
+    code, _, err = run_cli(monkeypatch, capsys, "ingest", str(tmp_path / "a.txt"), "--store", str(target),
+                           "--source", str(tiny_dir / "tiny-qwen2"))
+    assert code != 0 and err.startswith("error:") and "is a file" in err
+    assert target.read_text() == "precious"  # nothing lost
