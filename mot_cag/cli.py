@@ -29,8 +29,23 @@ models_app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 
-out = Console()
-err = Console(stderr=True)
+def _console(stderr: bool = False) -> Console:
+    """Rich formatting on a terminal; piped or redirected, plain lines that are never wrapped or cut."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, soft_wrap=True, width=10_000, no_color=True, highlight=False)
+
+
+out = _console()
+err = _console(stderr=True)
+
+
+def _table(*columns: str) -> Table:
+    """A table: boxed on a terminal, plain space-separated columns when piped."""
+    if out.is_terminal:
+        return Table(*columns)
+    return Table(*columns, box=None, show_edge=False, pad_edge=False, header_style="")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
 RecomputeOpt = Annotated[float | None, typer.Option(
@@ -82,7 +97,7 @@ def models(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     if not rows:
         out.print("No models found: the zoo is not installed and the Hugging Face cache holds none.")
         return
-    table = Table("name", "family", "layers", "kv heads", "head dim", "params", "positions", "origin")
+    table = _table("name", "family", "layers", "kv heads", "head dim", "params", "positions", "origin")
     notes = []
     for r in rows:
         if r["family"] is None:  # a packaged real model not converted yet (or not installed)
@@ -435,7 +450,7 @@ def translators_cmd(as_json: JsonOpt = False) -> None:
         out.print("No translators found in " + ", ".join(str(d) for d in search_dirs())
                   + "; train one with `mot-cag train --source S --target T`.")
         return
-    table = Table("source", "target", "kind", "mode", "experts", "params", "path")
+    table = _table("source", "target", "kind", "mode", "experts", "params", "path")
     for r in rows:
         table.add_row(r["source"], r["target"], r["kind"], r["mode"], str(r["experts"]), f"{r['params']:,}",
                       r["path"])

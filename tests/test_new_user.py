@@ -53,3 +53,11 @@ def test_ingest_into_a_file_is_one_clear_error(tiny_dir, tmp_path, monkeypatch, 
                            "--source", str(tiny_dir / "tiny-qwen2"))
     assert code != 0 and err.startswith("error:") and "is a file" in err
     assert target.read_text() == "precious"  # nothing lost
+
+
+def test_piped_output_is_plain_and_never_cut(monkeypatch, capsys):
+    code, out, _ = run_cli(monkeypatch, capsys, "models")
+    assert code == 0
+    assert "…" not in out and "━" not in out and "│" not in out  # no ellipsis, no box drawing when piped
+    names = [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
+    assert {"qwen2-mini", "qwen2-small", "smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"} <= set(names)

@@ -74,6 +74,7 @@ def test_template_that_drops_the_user_text_is_refused(tiny_models):
 @pytest.mark.parametrize("text, answer", [
     ("The answer is: Corvale.", "Corvale"),
     ("Answer: Corvale", "Corvale"),
+    ("The answer to this question is: Cet Sor was born in Stinddaldale", "Cet Sor was born in Stinddaldale"),
     ("\n\nCorvale\nQuestion: next", "Corvale"),
     ("Ana Brell was born in Corvale. Tomas Reddick works", "Ana Brell was born in Corvale"),
     ("3.14 apples", "3.14 apples"),
