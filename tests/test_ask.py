@@ -105,12 +105,18 @@ def test_eval_over_store_reports_recall(tiny_dir, tiny_store, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, "-m", "mot_cag.cli", "eval", "--dataset", str(data), "--store",
                            str(tiny_store), "--target", str(tiny_dir / "tiny-qwen2"), "--top-k", "2", "--json",
-                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+                           "--device", "cpu", "--details", str(tmp_path / "d.jsonl")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert set(rep["modes"]) == {"translated", "direct", "native-chunks", "none"}
     assert rep["modes"]["direct"]["retrieval_recall"] == 1.0
     assert rep["retention"] is not None and "kl_benefit" in rep["retention"]
+    details = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    for d in details:  # each row names the documents its context came from
+        assert len(d["retrieved_docs"]) == 2, d
+        want = next(r["doc"] for r in rows if r["id"] == d["id"])
+        assert any(doc.endswith(want) for doc in d["retrieved_docs"]), d
 
 
 def test_llama_index_retriever_inside_retriever_query_engine(tiny_dir, tiny_store):

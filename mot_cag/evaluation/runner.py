@@ -268,6 +268,7 @@ def evaluate(
             rs = []
         for r in rs:
             r.recall_hit = hit
+            r.retrieved_docs = [p.doc for p in pieces if p.doc]
             per_mode[r.mode].append(r)
             all_results.append(r)
         if progress:

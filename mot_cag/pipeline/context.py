@@ -83,11 +83,13 @@ class Piece:
         text: The piece's text as stored.
         key: Stable identity (content hash) used for caching; defaults to the text.
         source_kv: Loads the source model's KV of this piece (prefilled at 0), if any.
+        doc: The document it was retrieved from (store pieces), if any.
     """
 
     text: str
     key: str | None = None
     source_kv: Callable[[], kv.KVChunk] | None = None
+    doc: str | None = None
 
     @property
     def cache_key(self) -> str:

@@ -35,7 +35,7 @@ def hits_to_pieces(store, hits, device: torch.device | str = "cpu", verify: bool
     """Pieces in :func:`context_order`, each loading its source KV on demand."""
     ordered = context_order(hits)
     return [Piece(h.text, key=h.key, source_kv=lambda h=h: store.load(h.key, device=device, dtype=torch.float32,
-                                                                       verify=verify))
+                                                                       verify=verify), doc=h.doc)
             for h in ordered]
 
 
