@@ -49,7 +49,7 @@ def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict
     if name == "none":
         return NoneContext(target)
     base, _, repair = name.partition("+")
-    recompute = Recompute()
+    recompute = Recompute(0.0)  # explicit: no repair unless the variant names one
     if repair:
         policy, _, ratio = repair.partition("@")
         recompute = Recompute(float(ratio), {"dev": "deviation", "start": "start", "spread": "spread"}[policy])

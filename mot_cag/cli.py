@@ -48,9 +48,10 @@ def _table(*columns: str) -> Table:
     return Table(*columns, box=None, show_edge=False, pad_edge=False, header_style="")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
-RecomputeOpt = Annotated[float | None, typer.Option(
+RecomputeOpt = Annotated[str | None, typer.Option(
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
-         "context (CacheBlend-style; native-chunks and translated modes). 0 = off.")]
+         "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = 0.1 for "
+         "real models' chunks prefilled after the prompt head, 0 for the zoo.")]
 RecomputePolicyOpt = Annotated[str | None, typer.Option(
     help="Which tokens --recompute picks: deviation (largest layer-1 K/V deviation from a partial single pass), "
          "start (first tokens of each chunk) or spread (evenly spaced).")]
@@ -381,7 +382,7 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of synthetic datasets.")] = 0,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
     injection: InjectionOpt = "auto",
-    recompute: RecomputeOpt = 0.0,
+    recompute: RecomputeOpt = "auto",
     recompute_policy: RecomputePolicyOpt = "deviation",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     details: Annotated[str | None, typer.Option(help="Write per-example results to this JSONL file.")] = None,
@@ -397,7 +398,7 @@ def eval_cmd(
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
                       limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto",
-                      recompute=recompute or 0.0, recompute_policy=recompute_policy or "deviation")
+                      recompute=recompute or "auto", recompute_policy=recompute_policy or "deviation")
     with _progress(not as_json) as progress:
         report, results = run_eval(req, progress=progress)
     if details:
@@ -650,7 +651,7 @@ def ask_cmd(
     target = target or cfg.targets[0]
     asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
                   max_new_tokens=cfg.max_new_tokens, injection=cfg.injection,
-                  recompute=Recompute(cfg.recompute, cfg.recompute_policy))
+                  recompute=Recompute.parse(cfg.recompute, cfg.recompute_policy))
     stream = (not as_json) and out.is_terminal
     if stream:
         out.print(f"[bold]{asker.target.name}[/bold] ({cfg.mode}): ", end="")

@@ -37,7 +37,8 @@ class PipelineConfig:
         injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
             (each chunk replayed by the target) or ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
-            cross-chunk repair of joined caches; 0 = off).
+            cross-chunk repair of joined caches; 0 = off), or ``auto``: 0.1 for contexts whose chunks were
+            prefilled after the prompt head (real models), 0 for the zoo (measurements: docs/chunk-caches.md).
         recompute_policy: Which tokens: ``deviation``, ``start`` or ``spread``.
         targets: Target models this pipeline is meant for (the demo asks each).
         max_new_tokens: Generation budget of ``ask``.
@@ -53,7 +54,7 @@ class PipelineConfig:
     top_k: int = 4
     mode: str = "translated"
     injection: str = "auto"
-    recompute: float = 0.0
+    recompute: float | str = "auto"
     recompute_policy: str = "deviation"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48
@@ -64,8 +65,16 @@ class PipelineConfig:
             raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
         if self.injection not in INJECTIONS:
             raise MotCagError(f"Pipeline injection '{self.injection}' is unknown; use one of {', '.join(INJECTIONS)}.")
-        if not 0.0 <= self.recompute <= 1.0:
-            raise MotCagError(f"Pipeline recompute must be a fraction in [0, 1], got {self.recompute}.")
+        if self.recompute != "auto":
+            given = self.recompute
+            try:
+                if isinstance(given, bool):
+                    raise ValueError
+                self.recompute = float(given)  # command-line values arrive as text
+            except ValueError:
+                self.recompute = -1.0
+            if not 0.0 <= self.recompute <= 1.0:
+                raise MotCagError(f"Pipeline recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {given!r}.")
         if self.recompute_policy not in RECOMPUTE_POLICIES:
             raise MotCagError(f"Pipeline recompute_policy '{self.recompute_policy}' is unknown; use one of "
                               f"{', '.join(RECOMPUTE_POLICIES)}.")

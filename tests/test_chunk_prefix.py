@@ -138,3 +138,18 @@ def test_prefix_conditioning_needs_rope(tiny_models):
         NativeChunksContext(tiny_models["opt"], prefixed=True)
     assert NativeChunksContext(tiny_models["qwen2"]).prefixed is False  # the zoo's qa format: chunks alone
     assert NativeChunksContext(tiny_models["qwen2"], prefixed=True).build([Piece("Ana Brell was born in Corvale.")])
+
+
+def test_recompute_auto_repairs_prefixed_real_model_contexts_only(chat_lm, tiny_models):
+    from mot_cag.config import PipelineConfig
+    from mot_cag.pipeline.context import AUTO_RECOMPUTE, Recompute
+
+    assert NativeChunksContext(chat_lm).recompute.ratio == AUTO_RECOMPUTE
+    assert NativeChunksContext(chat_lm, recompute=Recompute(0.0)).recompute.ratio == 0.0
+    assert NativeChunksContext(tiny_models["qwen2"]).recompute.ratio == 0.0  # zoo format: no repair by default
+    assert Recompute.parse("auto").ratio is None and Recompute.parse("0.2", "start") == Recompute(0.2, "start")
+    with pytest.raises(MotCagError, match="auto or a fraction"):
+        Recompute.parse("lots")
+    assert PipelineConfig().recompute == "auto" and PipelineConfig(recompute="0.3").recompute == 0.3
+    with pytest.raises(MotCagError, match="auto or a fraction"):
+        PipelineConfig(recompute="1.5")

@@ -30,7 +30,7 @@ class EvalRequest:
     translator: str | None = None
     max_new_tokens: int = 24
     injection: str = "auto"
-    recompute: float = 0.0
+    recompute: float | str = "auto"
     recompute_policy: str = "deviation"
 
 
@@ -74,7 +74,7 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     if not examples:
         raise MotCagError(f"Dataset {req.dataset} has no examples.")
 
-    repair = Recompute(req.recompute, req.recompute_policy)
+    repair = Recompute.parse(req.recompute, req.recompute_policy)
     builders = {m: make_builder(m, target, recompute=repair) for m in modes if m != "translated"}
     if "translated" in modes:
         from mot_cag.pipeline.translation import translated_builder
@@ -93,7 +93,7 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     report = {"n": report["n"], "source": source.name if source else None, "target": target.name,
               "modes": report["modes"], "retention": report["retention"], "skipped": report["skipped"],
               "dataset": req.dataset, "injection": req.injection if "translated" in modes else None,
-              "recompute": {"ratio": req.recompute, "policy": req.recompute_policy} if req.recompute else None}
+              "recompute": {"ratio": req.recompute, "policy": req.recompute_policy}}
     return report, results
 
 
