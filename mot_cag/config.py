@@ -4,10 +4,14 @@ retrieve and answer. Read from TOML (``pipelines/default.toml`` by default); com
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI (a declared dependency there)
+    import tomli as tomllib
 
 from mot_cag.errors import MotCagError
 
