@@ -69,13 +69,15 @@ class PipelineConfig:
             raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
         if self.injection not in INJECTIONS:
             raise MotCagError(f"Pipeline injection '{self.injection}' is unknown; use one of {', '.join(INJECTIONS)}.")
+        if isinstance(self.recompute, str) and self.recompute.strip().lower() == "auto":
+            self.recompute = "auto"
         if self.recompute != "auto":
             given = self.recompute
             try:
                 if isinstance(given, bool):
                     raise ValueError
                 self.recompute = float(given)  # command-line values arrive as text
-            except ValueError:
+            except (TypeError, ValueError):
                 self.recompute = -1.0
             if not 0.0 <= self.recompute <= 1.0:
                 raise MotCagError(f"Pipeline recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {given!r}.")

@@ -162,6 +162,11 @@ def ingest(
     root = Path(store)
     if root.exists() and not root.is_dir():
         raise StoreError(f"--store {root} is a file, not a store folder; pass a folder path (it is created if absent).")
+    if chunk_prefix not in (None, "auto") and Store.exists(root):
+        have = Store.read_config(root).chunk_prefix
+        if have != chunk_prefix:
+            raise StoreError(f"Store {root} was made with --chunk-prefix {have}; a store keeps its prefix: drop "
+                             "--chunk-prefix or ingest into a new store.")
     note = progress.note if progress is not None else None
     fresh = not root.exists()
     try:

@@ -10,7 +10,7 @@ import torch
 
 from mot_cag.errors import MotCagError, StoreError
 from mot_cag.models import cache as kv
-from mot_cag.pipeline.context import DirectContext, NativeChunksContext, Piece
+from mot_cag.pipeline.context import DirectContext, NativeChunksContext, Piece, Recompute
 from mot_cag.pipeline.translation import translated_builder
 from mot_cag.prompts import as_tensor, encode, prompt_format
 
@@ -113,9 +113,10 @@ def test_stored_chunks_native_chunks_and_direct_read_the_same_tokens(chat_model_
     _ingest(docs, tmp_path / "store", str(chat_model_dir))
     st = Store.open(tmp_path / "store")
     pieces = hits_to_pieces(st, st.search("Where was Ana Brell born?", k=3))
+    off = Recompute(0.0)  # compare the joins themselves, not the repair after them
     direct = DirectContext(chat_lm).build(pieces)
-    native = NativeChunksContext(chat_lm).build(pieces)
-    stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids).build(pieces)
+    native = NativeChunksContext(chat_lm, recompute=off).build(pieces)
+    stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids, recompute=off).build(pieces)
     assert direct.ids == native.ids == stored.ids
     sep = encode(chat_lm.tokenizer, "\n\n")
     assert direct.ids[-len(sep):] == sep  # every piece, the last included, ends with the separator
@@ -153,3 +154,39 @@ def test_recompute_auto_repairs_prefixed_real_model_contexts_only(chat_lm, tiny_
     assert PipelineConfig().recompute == "auto" and PipelineConfig(recompute="0.3").recompute == 0.3
     with pytest.raises(MotCagError, match="auto or a fraction"):
         PipelineConfig(recompute="1.5")
+
+
+def test_prefixed_store_verifies_repairs_and_refuses_foreign_chunks(chat_model_dir, docs, tmp_path):
+    from mot_cag.store.store import STORE_FORMAT_PREFIXED, Store, StoreConfig, check_chunk_file, rebuild_manifest
+
+    store = tmp_path / "store"
+    _ingest(docs, store, str(chat_model_dir))
+    cfg = Store.read_config(store)
+    # Older versions read only format 1: a prefixed store says it is newer instead of being misread as prefix-free.
+    assert cfg.format == STORE_FORMAT_PREFIXED and cfg.to_dict()["format"] == STORE_FORMAT_PREFIXED
+    st, problems = rebuild_manifest(store)
+    assert not problems and st.info()["chunks"] == len(DOCS)  # every chunk file recognised under its prefix
+    st.close()
+    st = Store.open(store)
+    row = next(st.manifest.iter_chunks())
+    assert check_chunk_file(st.file(row.key), row.key, st.source, prefix_ids=cfg.prefix_ids) is None
+    why = check_chunk_file(st.file(row.key), row.key, st.source, prefix_ids=())
+    assert why is not None and "prefix" in why  # a prefix-free store would not adopt it
+    st.close()
+    # A store.json written before chunk prefixes existed reads as prefix-free, format 1.
+    old = cfg.to_dict()
+    for k in ("chunk_prefix", "prefix_ids"):
+        old.pop(k)
+    old["format"] = "mot-cag-store/1"
+    assert StoreConfig.from_dict(old).chunk_prefix == "none" and StoreConfig.from_dict(old).format == old["format"]
+
+
+def test_explicit_chunk_prefix_on_an_existing_store_must_match(chat_model_dir, docs, tmp_path):
+    _ingest(docs, tmp_path / "store", str(chat_model_dir))
+    with pytest.raises(StoreError, match="keeps its prefix"):
+        _ingest(docs, tmp_path / "store", str(chat_model_dir), chunk_prefix="none")
+
+
+def test_contexts_without_a_store_are_not_treated_as_prefixed(chat_lm):
+    builder = translated_builder(chat_lm, chat_lm, chunk_prefix=())  # eval of a dataset's own contexts
+    assert builder.prefixed is False and builder.recompute.ratio == 0.0

@@ -79,7 +79,7 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     if "translated" in modes:
         from mot_cag.pipeline.translation import translated_builder
 
-        prefix = None
+        prefix: tuple[int, ...] = ()  # without a store each context is prefilled alone (see _pieces_from_examples)
         if req.store:
             from mot_cag.store.store import Store
 
@@ -93,7 +93,8 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     report = {"n": report["n"], "source": source.name if source else None, "target": target.name,
               "modes": report["modes"], "retention": report["retention"], "skipped": report["skipped"],
               "dataset": req.dataset, "injection": req.injection if "translated" in modes else None,
-              "recompute": {"ratio": req.recompute, "policy": req.recompute_policy}}
+              "recompute": {"requested": req.recompute, "policy": req.recompute_policy,
+                            "ratio": {m: b.recompute.ratio for m, b in builders.items() if hasattr(b, "recompute")}}}
     return report, results
 
 

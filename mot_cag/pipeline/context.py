@@ -75,7 +75,7 @@ class Recompute:
             return cls(None, policy or "deviation")
         try:
             value = float(ratio)
-        except ValueError:
+        except (TypeError, ValueError):
             raise MotCagError(f"--recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {ratio!r}.") from None
         return cls(value, policy or "deviation")
 
@@ -264,6 +264,22 @@ class _JoinedChunks(ContextBuilder):
                               "prompt head and moved; use prefixed=False.")
         self.prefixed = prefixed
         self.recompute = (recompute or Recompute()).resolved(prefixed)
+        self._separators: dict[int, kv.KVChunk] = {}  # this builder's own (layers, prefix): never shared
+
+    def part_key(self, piece: Piece) -> str:
+        """The LRU key of a piece's part (subclasses add what else its KV depends on)."""
+        return piece.cache_key
+
+    def _separator(self, pos: int) -> kv.KVChunk:
+        """The separator's KV placed at ``pos``: made once (RoPE) or once per position (absolute)."""
+        sep = self.sep_ids
+        if self.target.layout.positions == "rope":
+            if 0 not in self._separators:
+                self._separators[0] = self.head_part(self.own_prefill(sep, 0))
+            return self.positioner.reposition(self._separators[0], pos)
+        if pos not in self._separators:
+            self._separators[pos] = self.head_part(self.own_prefill(sep, pos))
+        return self._separators[pos]
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -303,7 +319,7 @@ class _JoinedChunks(ContextBuilder):
                 continue
             if len(all_ids) > len(self.head):
                 starts.append(pos)
-            part = self._place(p.cache_key, lambda at, p=p, ids=ids: self.make(p, ids, at), pos)
+            part = self._place(self.part_key(p), lambda at, p=p, ids=ids: self.make(p, ids, at), pos)
             if part.length != len(ids):
                 raise MotCagError(f"A context piece's cache holds {part.length} tokens but its text encodes to "
                                   f"{len(ids)} {self.target.name} tokens; the store was made with another "
@@ -312,9 +328,8 @@ class _JoinedChunks(ContextBuilder):
             all_ids += ids
             pos += len(ids)
             if sep:
-                starts.append(pos)
-                make_sep = lambda at: self.head_part(self.own_prefill(sep, at))  # noqa: E731 - one-line factory
-                parts.append(self._place(f"\0separator/{type(self).__name__}", make_sep, pos))
+                starts.append(pos)  # the separator was made apart from the piece before it: recompute may pick it
+                parts.append(self._separator(pos))
                 all_ids += sep
                 pos += len(sep)
         chunk = kv.join(parts) if parts else None
@@ -332,6 +347,9 @@ class NativeChunksContext(_JoinedChunks):
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
         return self.own_prefill(ids, start)
+
+    def part_key(self, piece: Piece) -> str:
+        return f"{piece.cache_key}\0prefixed" if self.prefixed else piece.cache_key
 
 
 TranslateFn = Callable[[Piece, int], kv.KVChunk]
@@ -380,8 +398,8 @@ class ReplayJointContext(TranslatedContext):
     """
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, layers: list[int], window: list[int],
-                 cache: LRU | None = None, recompute: Recompute | None = None):
-        super().__init__(target, translate_piece, cache, recompute)
+                 cache: LRU | None = None, recompute: Recompute | None = None, prefixed: bool | None = None):
+        super().__init__(target, translate_piece, cache, recompute, prefixed=prefixed)
         if not set(window) <= set(layers):
             raise ValueError(f"replay window {window} is not among the translated layers {layers}")
         self.layers = list(layers)

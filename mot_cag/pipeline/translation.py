@@ -141,12 +141,15 @@ def translated_builder(
     tr = _load(source, target, translator)
     mode = AUTO_INJECTION if injection == "auto" else injection
     check_injection(tr, mode)
+    # Translators are trained on source chunks prefilled alone, so the target's own parts (separators) are made
+    # alone too, and auto recompute stays off until it is measured for translated pairs.
     if mode == "replay-joint":
         lm = tr.config.layers
         window = [lm.target_layers[i] for i in lm.window_positions()]
         fn = piece_translator(source, target, translator=tr, window_only=True)
-        return ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute)
-    return TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode), cache, recompute)
+        return ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute, prefixed=False)
+    return TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode), cache, recompute,
+                             prefixed=False)
 
 
 def _source_kv(piece: Piece) -> KVChunk:

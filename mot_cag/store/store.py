@@ -44,6 +44,10 @@ from mot_cag.store.index import BM25, IVF_THRESHOLD, VectorIndex
 from mot_cag.store.manifest import ChunkRow, DocChunk, Manifest
 
 STORE_FORMAT = "mot-cag-store/1"
+#: Format of a store whose chunks were prefilled after a prefix: versions that know only format 1 refuse it
+#: instead of reading its chunks as prefix-free (their keys would not verify and a repair would delete them).
+STORE_FORMAT_PREFIXED = "mot-cag-store/2"
+READ_STORE_FORMATS = (STORE_FORMAT, STORE_FORMAT_PREFIXED)
 CONFIG_FILE = "store.json"
 MANIFEST_FILE = "manifest.sqlite"
 INDEX_FILE = "index.faiss"
@@ -112,7 +116,12 @@ class StoreConfig:
             raise StoreError(f"KV dtype '{self.dtype}' is not supported; use one of {', '.join(DTYPES)}.")
         if self.chunk_tokens < 8:
             raise StoreError(f"Chunks of {self.chunk_tokens} tokens are too small; use --chunk-tokens 8 or more.")
-        object.__setattr__(self, "prefix_ids", tuple(int(i) for i in self.prefix_ids))
+        try:
+            object.__setattr__(self, "prefix_ids", tuple(int(i) for i in self.prefix_ids))
+        except (TypeError, ValueError):
+            raise StoreError(f"The store's prefix_ids {self.prefix_ids!r} are not token ids; the store.json is "
+                             "damaged: restore it or ingest into a new store.") from None
+        object.__setattr__(self, "format", STORE_FORMAT_PREFIXED if self.prefix_ids else STORE_FORMAT)
         if self.chunk_prefix not in CHUNK_PREFIXES:
             raise StoreError(f"Chunk prefix '{self.chunk_prefix}' is unknown; use one of {', '.join(CHUNK_PREFIXES)}.")
         if (self.chunk_prefix == "none") != (not self.prefix_ids):
@@ -158,7 +167,16 @@ def chunk_relpath(key: str) -> str:
 
 
 def _meta_checksum(meta: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps({k: meta.get(k, "") for k in _META_FIELDS}, sort_keys=True).encode()).hexdigest()
+    fields = {k: meta.get(k, "") for k in _META_FIELDS}
+    if "prefix" in meta:  # only chunks prefilled after a prefix carry it: older files keep their checksum
+        fields["prefix"] = meta["prefix"]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def prefix_digest(prefix_ids: Iterable[int]) -> str:
+    """What a chunk file records of the prefix it was prefilled after: its length and a hash of its ids."""
+    ids = list(prefix_ids)
+    return f"{len(ids)}:{hashlib.sha256(np.asarray(ids, dtype='<i4').tobytes()).hexdigest()[:16]}"
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -362,8 +380,9 @@ class Store:
         except (OSError, json.JSONDecodeError) as e:
             raise StoreError(f"Store config {cfg} is unreadable ({e}); restore it or re-ingest into a new store.") \
                 from None
-        if data.get("format") != STORE_FORMAT:
-            raise StoreError(f"{root} is a store of format {data.get('format')!r}; this mot-cag reads {STORE_FORMAT}.")
+        if data.get("format") not in READ_STORE_FORMATS:
+            raise StoreError(f"{root} is a store of format {data.get('format')!r}; this mot-cag reads "
+                             f"{', '.join(READ_STORE_FORMATS)}.")
         return StoreConfig.from_dict(data)
 
     @classmethod
@@ -679,6 +698,8 @@ class Store:
             "chunk_index": str(chunk.index), "char_start": str(chunk.char_start), "char_end": str(chunk.char_end),
             "special_tokens": "none",
         }
+        if self.config.prefix_ids:
+            meta["prefix"] = prefix_digest(self.config.prefix_ids)
         meta["meta_checksum"] = _meta_checksum(meta)
         path = self.root / rel
         try:
@@ -899,6 +920,9 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         return "token ids unreadable"
     if meta.get("fingerprint") != source.fingerprint:
         return f"made by another source model (fingerprint {meta.get('fingerprint')})"
+    prefix_ids = list(prefix_ids)
+    if meta.get("prefix", "") != (prefix_digest(prefix_ids) if prefix_ids else ""):
+        return f"prefilled after another prefix ({meta.get('prefix') or 'none'}) than this store's"
     if chunk_key(source.fingerprint, ids, prefix_ids) != key:
         return "token ids do not hash to the chunk key"
     if meta.get("start") != "0":
