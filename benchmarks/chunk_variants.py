@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--store", required=True, help="store folder (ingested with --chunk-prefix prompt if absent)")
     ap.add_argument("--out", required=True, help="output path without suffix (.jsonl rows, .json summary)")
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N questions (another slice of a corpus)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--threads", type=int, default=None)
@@ -134,7 +135,8 @@ def main() -> None:
     builders = {v: build_variant(v, target, prefix, caches) for v in variants}
     evaluator = Evaluator(target, builders)
     pieces_for = store_pieces_for(args.store, args.top_k, source=target)
-    examples = load_examples(str(corpus / "questions.jsonl"), limit=args.limit)
+    examples = load_examples(str(corpus / "questions.jsonl"))[args.offset:]
+    examples = examples[: args.limit] if args.limit else examples
 
     rows_path = Path(args.out + ".jsonl")
     done = {}

@@ -13,7 +13,7 @@ MODELS=${MODELS:-"qwen2.5-coder-0.5b gemma-3-270m smollm2-135m"}
 for m in $MODELS; do
   s=$(date +%s)
   $B/python benchmarks/chunk_variants.py --model $m --corpus $OUT/heldout --store $OUT/store-heldout-$m \
-    --out $OUT/heldout-$m --limit $LIMIT --variants "direct,none,alone,stored,stored+dev@$R" \
+    --out $OUT/heldout-$m --limit $LIMIT --variants "direct,none,alone,stored,stored+dev@$R" --threads ${THREADS:-2} \
     > $OUT/heldout-$m.md 2> $OUT/heldout-$m.log
   echo "heldout $m $(( $(date +%s) - s )) s" >> $OUT/times.txt
 done

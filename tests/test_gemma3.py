@@ -93,3 +93,24 @@ def test_models_check_passes_and_reads_past_the_window(tiny_gemma3):
     res = check_model(tiny_gemma3)
     assert res.passed and res.tokens > tiny_gemma3.layout.sliding_window
     assert res.reposition_max_abs_diff is not None
+
+
+def test_replay_joint_parts_of_some_layers_move_with_their_own_bases(tiny_gemma3):
+    """A replay-joint context holds only the translator's layers; moving its parts must rotate each row with its
+    layer's RoPE base (a sliding layer and the full layer here), not with the full model's row order."""
+    from mot_cag.pipeline.context import NativeChunksContext, Piece, Recompute, ReplayJointContext
+    from mot_cag.prompts import as_tensor, encode
+
+    lm = tiny_gemma3
+    layers = [3, 5]  # sliding (base 1e4) and full (base 1e6)
+
+    def own_rows(piece, start):  # a stand-in translator: the target's own K/V of those layers, made at 0
+        chunk = kv.prefill(lm.model, as_tensor(encode(lm.tokenizer, piece.text)), start=start)
+        rows = torch.tensor(layers)
+        return kv.KVChunk(chunk.keys[rows], chunk.values[rows], chunk.start)
+
+    pieces = [Piece("Ana Brell was born in Corvale."), Piece("Tomas Reddick works as a baker.")]
+    joint = ReplayJointContext(lm, own_rows, layers, window=[5], recompute=Recompute(0.0))
+    native = NativeChunksContext(lm, recompute=Recompute(0.0)).join(pieces)
+    joined = super(ReplayJointContext, joint).join(pieces)  # the joined parts, before the replay pass
+    torch.testing.assert_close(joined.kv.keys, native.kv.keys[torch.tensor(layers)], rtol=0, atol=1e-5)

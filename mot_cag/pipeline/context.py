@@ -404,6 +404,11 @@ class ReplayJointContext(TranslatedContext):
             raise ValueError(f"replay window {window} is not among the translated layers {layers}")
         self.layers = list(layers)
         self.window = list(window)
+        if self.positioner.layer_groups is not None:
+            # Parts hold only self.layers' rows: index each RoPE base's layers by their row here (Gemma3).
+            rows = {layer: i for i, layer in enumerate(self.layers)}
+            groups = [([rows[x] for x in idx if x in rows], inv) for idx, inv in self.positioner.layer_groups]
+            self.positioner.layer_groups = [(idx, inv) for idx, inv in groups if idx]
 
     def head_part(self, chunk: kv.KVChunk) -> kv.KVChunk:
         idx = torch.tensor(self.layers, device=chunk.keys.device)
