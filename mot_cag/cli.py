@@ -50,8 +50,8 @@ def _table(*columns: str) -> Table:
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
 RecomputeOpt = Annotated[str | None, typer.Option(
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
-         "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = 0.1 for "
-         "real models' chunks prefilled after the prompt head, 0 for the zoo.")]
+         "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = the measured "
+         "default, now 0 (docs/chunk-caches.md: 0.1 brought KL closer to direct but not the answers).")]
 RecomputePolicyOpt = Annotated[str | None, typer.Option(
     help="Which tokens --recompute picks: deviation (largest layer-1 K/V deviation from a partial single pass), "
          "start (first tokens of each chunk) or spread (evenly spaced).")]

@@ -41,8 +41,8 @@ class PipelineConfig:
         injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
             (each chunk replayed by the target) or ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
-            cross-chunk repair of joined caches; 0 = off), or ``auto``: 0.1 for contexts whose chunks were
-            prefilled after the prompt head (real models), 0 for the zoo (measurements: docs/chunk-caches.md).
+            cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
+            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE`, now 0; docs/chunk-caches.md).
         recompute_policy: Which tokens: ``deviation``, ``start`` or ``spread``.
         targets: Target models this pipeline is meant for (the demo asks each).
         max_new_tokens: Generation budget of ``ask``.

@@ -141,11 +141,13 @@ def test_prefix_conditioning_needs_rope(tiny_models):
     assert NativeChunksContext(tiny_models["qwen2"], prefixed=True).build([Piece("Ana Brell was born in Corvale.")])
 
 
-def test_recompute_auto_repairs_prefixed_real_model_contexts_only(chat_lm, tiny_models):
+def test_recompute_auto_resolves_per_context_kind(chat_lm, tiny_models):
     from mot_cag.config import PipelineConfig
     from mot_cag.pipeline.context import AUTO_RECOMPUTE, Recompute
 
-    assert NativeChunksContext(chat_lm).recompute.ratio == AUTO_RECOMPUTE
+    assert NativeChunksContext(chat_lm).recompute.ratio == AUTO_RECOMPUTE  # the measured default of real models
+    assert Recompute(None).resolved(True) == Recompute(AUTO_RECOMPUTE)
+    assert Recompute(0.2, "start").resolved(True) == Recompute(0.2, "start")  # an explicit ratio is kept
     assert NativeChunksContext(chat_lm, recompute=Recompute(0.0)).recompute.ratio == 0.0
     assert NativeChunksContext(tiny_models["qwen2"]).recompute.ratio == 0.0  # zoo format: no repair by default
     assert Recompute.parse("auto").ratio is None and Recompute.parse("0.2", "start") == Recompute(0.2, "start")

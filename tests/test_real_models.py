@@ -66,8 +66,8 @@ def test_smollm2_answers_the_demo_question_from_the_text(smollm2, corpus_store):
 
 
 def test_smollm2_answers_the_demo_question_from_its_stored_chunks(smollm2, corpus_store):
-    """The stored-chunk path (issue [2]): chunks prefilled after the prompt head at ingest, joined, repaired by
-    the default recompute; before, this answered with a URL."""
+    """The stored-chunk path (issue [2]): chunks prefilled after the prompt head at ingest and joined; before,
+    this answered with a URL."""
     from mot_cag.pipeline.ask import Asker
     from mot_cag.store.store import Store
 
