@@ -122,6 +122,7 @@ def forward(
     *,
     start: int | None = None,
     keep_cache: bool = True,
+    logits_to_keep: int = 0,
 ) -> tuple[torch.Tensor, KVChunk | None]:
     """Run ``input_ids`` after a context cache.
 
@@ -131,6 +132,8 @@ def forward(
         context: KV of the tokens before ``input_ids`` (not modified), or ``None``.
         start: Global position of ``input_ids[0]``; defaults to ``context.end`` (or 0).
         keep_cache: Return the extended cache (context + new tokens) as a chunk.
+        logits_to_keep: Compute logits for the last this many tokens only (0: all). A prefill needs none of
+            them, and with a 262k vocabulary (Gemma3) the LM head over every token costs more than the layers.
 
     Returns:
         ``(logits [seq, vocab], cache)``; ``cache`` covers the context and the new tokens.
@@ -148,6 +151,7 @@ def forward(
         position_ids=_position_ids(start, ids.shape[1], ids.device),
         cache=cache,
         use_cache=True,
+        logits_to_keep=logits_to_keep,
     )
     chunk = None
     if keep_cache:
@@ -159,7 +163,7 @@ def forward(
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, start: int = 0) -> KVChunk:
     """Prefill ``input_ids`` at positions ``start..`` and return their KV as a chunk."""
-    _, chunk = forward(model, input_ids, None, start=start)
+    _, chunk = forward(model, input_ids, None, start=start, logits_to_keep=1)
     assert chunk is not None
     return chunk
 
@@ -174,7 +178,7 @@ def prefill_after(model, input_ids: torch.Tensor, prefix: KVChunk | None) -> KVC
     """
     if prefix is None or prefix.length == 0:
         return prefill(model, input_ids, start=0 if prefix is None else prefix.end)
-    _, chunk = forward(model, input_ids, prefix)
+    _, chunk = forward(model, input_ids, prefix, logits_to_keep=1)
     assert chunk is not None
     return chunk.slice(prefix.length, chunk.length)
 
@@ -307,14 +311,19 @@ def greedy_tokens(
         stop: Called with the generated ids so far; ``True`` ends decoding (after yielding that token).
         eos_token_id: Ends decoding when produced (not yielded).
     """
-    logits, cache = forward(model, prompt_ids, context)
     limit = model.config.max_position_embeddings if hasattr(model.config, "max_position_embeddings") else None
     limit = limit or getattr(model.config, "n_positions", None)
     out: list[int] = []
-    assert cache is not None
-    dyn = to_dynamic_cache(cache, model.config)
-    pos = cache.end
-    next_id = int(logits[-1].argmax())
+    # One cache for the whole decode: the context is copied into it once, the prompt and each token appended.
+    dyn = to_dynamic_cache(context)
+    ids = prompt_ids.view(1, -1).to(model.device)
+    first = context.end if context is not None else 0
+    base = context.start if context is not None else first  # position of the cache's first row
+    mask = torch.ones(1, first - base + ids.shape[1], dtype=torch.long, device=model.device)
+    step = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(first, ids.shape[1], model.device),
+                 cache=dyn, use_cache=True, logits_to_keep=1)
+    pos = first + ids.shape[1]
+    next_id = int(step.logits[0, -1].argmax())
     for _ in range(max_new_tokens):
         if eos_token_id is not None and next_id == eos_token_id:
             return
@@ -323,7 +332,7 @@ def greedy_tokens(
         if (stop is not None and stop(out)) or (limit is not None and pos >= limit):
             return
         ids = torch.tensor([[next_id]], device=model.device)
-        mask = torch.ones(1, pos - cache.start + 1, dtype=torch.long, device=model.device)
+        mask = torch.ones(1, pos - base + 1, dtype=torch.long, device=model.device)
         step = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(pos, 1, model.device),
                      cache=dyn, use_cache=True)
         pos += 1
