@@ -504,6 +504,7 @@ def selective_recompute(
         position_ids=(chunk.start + sel_dev).view(1, -1),  # (1, S)
         cache=cache,
         use_cache=True,
+        logits_to_keep=1,  # only the K/V are wanted
     )
     fresh = from_dynamic_cache(cache, begin=n_tokens)  # the appended entries: (L, H, S, D)
     sel_rows = sel.to(keys.device)
