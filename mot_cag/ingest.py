@@ -20,6 +20,7 @@ fresh chunk list, and chunks only its old version used are deleted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterable
@@ -304,6 +305,7 @@ class _Run:
         self.progress, self.result, self.save_every, self._load_model = progress, result, save_every, load_model
         self.lm = None
         self.prefix_kv: KVChunk | None = None  # the store's chunk prefix, prefilled once
+        self.separator = ""  # what follows every chunk as it is read (prefixed stores)
         self.positioner: Positioner | None = None
         self.chunker: Chunker | None = None
         self.last_save = self.last_flush = time.monotonic()
@@ -322,8 +324,11 @@ class _Run:
             self.chunker = Chunker(self.lm.tokenizer, self.chunk_tokens)
             prefix = self.st.config.prefix_ids
             if prefix:
+                from mot_cag.prompts import prompt_format
+
                 self.prefix_kv = prefill(self.lm.model, torch.tensor(prefix, dtype=torch.long))
                 self.positioner = Positioner(self.lm.layout, self.lm.model.config)
+                self.separator = prompt_format(self.lm).separator
             if self.progress is not None:
                 self.progress.update(-1, self.chunks_seen, self.result.tokens)  # throughput counts from here
         return self.lm
@@ -407,6 +412,11 @@ class _Run:
         tokens = 0
         try:
             for c in self.chunker.chunks(read_blocks(f.path, hasher=hasher)):
+                if self.separator:
+                    # Stored as read: the chunk's text and the separator, tokenized together (".\n\n" is one
+                    # token for most BPEs, and the split spelling changes real models' answers).
+                    ids = lm.tokenizer(c.text + self.separator, add_special_tokens=False)["input_ids"]
+                    c = dataclasses.replace(c, token_ids=tuple(ids))
                 key = chunk_key(st.source.fingerprint, c.token_ids, st.config.prefix_ids)
                 if key not in self.batch_keys and not st.has_chunk(key) and st.adopt_chunk(key) is None:
                     kv = self._prefill(lm, c.token_ids)

@@ -118,8 +118,10 @@ def test_stored_chunks_native_chunks_and_direct_read_the_same_tokens(chat_model_
     native = NativeChunksContext(chat_lm, recompute=off).build(pieces)
     stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids, recompute=off).build(pieces)
     assert direct.ids == native.ids == stored.ids
-    sep = encode(chat_lm.tokenizer, "\n\n")
-    assert direct.ids[-len(sep):] == sep  # every piece, the last included, ends with the separator
+    assert chat_lm.tokenizer.decode(direct.ids).endswith("\n\n")  # every piece ends with the separator
+    # Text and separator are tokenized together, as one pass over the whole prompt would.
+    assert direct.ids[-len(encode(chat_lm.tokenizer, pieces[-1].text + "\n\n")):] == encode(
+        chat_lm.tokenizer, pieces[-1].text + "\n\n")
     assert stored.kv.length == native.kv.length == len(direct.ids)
     # Stored and native chunks are the same computation (the store keeps fp16).
     torch.testing.assert_close(stored.kv.keys, native.kv.keys, rtol=0, atol=5e-3)

@@ -176,7 +176,6 @@ class ContextBuilder:
         self.head = list(self.prompt.head)
         self.positioner = kv.Positioner(target.layout, target.model.config)
         self._head_kv: kv.KVChunk | None = None
-        self._sep_ids: list[int] | None = None
 
     def build(self, pieces: list[Piece]) -> TargetContext:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -189,18 +188,10 @@ class ContextBuilder:
             self._head_kv = kv.prefill(self.target.model, as_tensor(self.head, self.device))
         return self._head_kv
 
-    @property
-    def sep_ids(self) -> list[int]:
-        """Token ids of the format's piece separator, appended to every piece (empty for ``qa``)."""
-        if self._sep_ids is None:
-            sep = self.prompt.separator
-            self._sep_ids = encode(self.target.tokenizer, sep) if sep else []
-        return self._sep_ids
-
     def piece_ids(self, piece: Piece) -> list[int]:
-        """The piece's target ids as every mode reads them: its text, then the separator tokens. Encoded apart
-        so the text's ids are the stored chunk's and the separator is the same tokens after every piece."""
-        return encode(self.target.tokenizer, piece.text) + self.sep_ids
+        """The piece's target ids: its text and the format's separator, tokenized together as a single pass
+        would (``.\n\n`` is one token for most BPEs; splitting it changed a real model's answer)."""
+        return encode(self.target.tokenizer, self.prompt.piece_text(piece.text))
 
 
 class NoneContext(ContextBuilder):
@@ -229,12 +220,12 @@ class DirectContext(ContextBuilder):
 
 
 class _JoinedChunks(ContextBuilder):
-    """Shared assembly of per-piece caches: the prompt head first, then each piece placed after the previous one,
-    each followed by the format's separator.
+    """Shared assembly of per-piece caches: the prompt head first, then each piece (its text and the format's
+    separator) placed after the previous one.
 
     RoPE targets make each piece once (cached by piece) and move it by rotation; absolute-position targets make
     it where it will sit (cached by piece and position), since positions live in every layer. With
-    :attr:`prefixed`, pieces and separators are made after the prompt head (attending to it, the head's KV
+    :attr:`prefixed`, pieces are made after the prompt head (attending to it, the head's KV
     kept once at the front): each piece then sees the context it is read in, and the head's first token is
     the attention sink instead of each piece's (Block-Attention, TurboRAG). Without it each is made alone.
     Subclasses say how one piece's cache is made (:meth:`make`) and which timing it counts as.
@@ -249,7 +240,7 @@ class _JoinedChunks(ContextBuilder):
     """
 
     timing = "prefill_s"
-    #: Whether the separator follows every piece (translators cover a chunk's own text only).
+    #: Whether a piece's ids include the format's separator (translators cover a chunk's own text only).
     separated = True
 
     def __init__(self, target: LoadedModel, cache: LRU | None = None, recompute: Recompute | None = None,
@@ -264,22 +255,10 @@ class _JoinedChunks(ContextBuilder):
                               "prompt head and moved; use prefixed=False.")
         self.prefixed = prefixed
         self.recompute = (recompute or Recompute()).resolved(prefixed)
-        self._separators: dict[int, kv.KVChunk] = {}  # this builder's own (layers, prefix): never shared
 
     def part_key(self, piece: Piece) -> str:
         """The LRU key of a piece's part (subclasses add what else its KV depends on)."""
         return piece.cache_key
-
-    def _separator(self, pos: int) -> kv.KVChunk:
-        """The separator's KV placed at ``pos``: made once (RoPE) or once per position (absolute)."""
-        sep = self.sep_ids
-        if self.target.layout.positions == "rope":
-            if 0 not in self._separators:
-                self._separators[0] = self.head_part(self.own_prefill(sep, 0))
-            return self.positioner.reposition(self._separators[0], pos)
-        if pos not in self._separators:
-            self._separators[pos] = self.head_part(self.own_prefill(sep, pos))
-        return self._separators[pos]
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -289,7 +268,9 @@ class _JoinedChunks(ContextBuilder):
         return self.recompute.apply(self.target.model, self.join(pieces))
 
     def piece_ids(self, piece: Piece) -> list[int]:
-        """The piece's own ids (the separator is a part of its own, see :meth:`join`)."""
+        """Text and separator tokenized together when :attr:`separated`, else the text alone."""
+        if self.separated:
+            return super().piece_ids(piece)
         return encode(self.target.tokenizer, piece.text)
 
     def own_prefill(self, ids: list[int], start: int) -> kv.KVChunk:
@@ -312,7 +293,6 @@ class _JoinedChunks(ContextBuilder):
         pos = len(self.head)
         all_ids = list(self.head)
         starts: list[int] = [0]
-        sep = self.sep_ids if self.separated else []
         for p in pieces:
             ids = self.piece_ids(p)
             if not ids:
@@ -327,11 +307,6 @@ class _JoinedChunks(ContextBuilder):
             parts.append(part)
             all_ids += ids
             pos += len(ids)
-            if sep:
-                starts.append(pos)  # the separator was made apart from the piece before it: recompute may pick it
-                parts.append(self._separator(pos))
-                all_ids += sep
-                pos += len(sep)
         chunk = kv.join(parts) if parts else None
         return TargetContext(chunk, pos, {self.timing: time.perf_counter() - t0}, all_ids, starts)
 
@@ -371,9 +346,11 @@ class TranslatedContext(_JoinedChunks):
 
     def __init__(self, target: LoadedModel, translate_piece: TranslateFn, cache: LRU | None = None,
                  recompute: Recompute | None = None, prompt: PromptFormat | None = None,
-                 prefixed: bool | None = None):
+                 prefixed: bool | None = None, separated: bool = False):
         super().__init__(target, cache, recompute, prompt, prefixed)
         self.translate_piece = translate_piece
+        # Stored chunks of a prefixed store hold text + separator; translators cover a chunk's own text only.
+        self.separated = separated
 
     def make(self, piece: Piece, ids: list[int], start: int) -> kv.KVChunk:
         return self.translate_piece(piece, start)

@@ -129,8 +129,11 @@ def translated_builder(
     """
     check_injection_name(injection)
     if same_model(source, target):
+        # A prefixed store's chunks are the text and the prompt's separator, prefilled after the head
+        # (mot_cag.ingest); a prefix-free one holds the text alone.
         prefixed = None if chunk_prefix is None else bool(chunk_prefix)
-        builder = TranslatedContext(target, piece_translator(source, target), cache, recompute, prefixed=prefixed)
+        builder = TranslatedContext(target, piece_translator(source, target), cache, recompute, prefixed=prefixed,
+                                    separated=bool(chunk_prefix))
         if chunk_prefix and tuple(chunk_prefix) != tuple(builder.head):
             raise MotCagError(f"This store's chunks were prefilled after another prompt head than {target.name}'s "
                               "current one (its chat template or instruction changed); ingest the documents into a "
