@@ -113,7 +113,9 @@ def check_pair(config: TranslatorConfig, source=None, target=None, strict: bool 
     ):
         if lm is None:
             continue
-        if lm.layout.to_dict() != layout:
+        have = lm.layout.to_dict()
+        # Keys a translator saved before they existed (Gemma3's per-layer fields) read as unset (None).
+        if any(have.get(k) != layout.get(k) for k in set(have) | set(layout)):
             raise TranslatorError(f"The {role} cache layout differs: {hint}")
         if tok and tokenizer_fingerprint(lm.tokenizer) != tok:
             raise TranslatorError(f"The {role} tokenizer differs: {hint}")
