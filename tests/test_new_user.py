@@ -61,3 +61,15 @@ def test_piped_output_is_plain_and_never_cut(monkeypatch, capsys):
     assert "…" not in out and "━" not in out and "│" not in out  # no ellipsis, no box drawing when piped
     names = [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
     assert {"qwen2-mini", "qwen2-small", "smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"} <= set(names)
+
+
+def test_bundled_zoo_translators_load_for_the_demo():
+    """`make demo` translates qwen2-mini's store for opt-mini and gpt2-mini with the bundled translators, whose
+    configs predate the per-layer layout fields (Gemma3): they must still load."""
+    from mot_cag.models.registry import load_model
+    from mot_cag.translate.checkpoint import find_translator, load_translator
+
+    source = load_model("qwen2-mini", weights=False)
+    for name in ("opt-mini", "gpt2-mini"):
+        target = load_model(name)
+        assert load_translator(find_translator("qwen2-mini", name), source, target) is not None
