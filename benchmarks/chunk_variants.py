@@ -11,7 +11,9 @@ pieces and answers the same question, so the variants differ only by how the con
 - ``prefix+dev@R`` / ``prefix+start@R``: the same, then a fraction R of the context tokens recomputed against the
   whole joined cache (CacheBlend's deviation choice, or EPIC-like first tokens of every piece);
 - ``stored`` / ``stored+dev@R``: the store's own chunk files (fp16, prefilled after the head at ingest) through
-  ``mot-cag ask``'s path (translated mode with the source as target).
+  ``mot-cag ask``'s path (translated mode with the source as target);
+- ``tr:INJECTION`` / ``tr:INJECTION+dev@R`` (with ``--source``): the store's chunks, made by another model,
+  translated (``direct``, ``replay``, ``replay-joint``) by ``--translator`` (default: the one found for the pair).
 
 Scores per variant: exact match, contains-answer, F1, answer NLL, KL(direct || variant), mean TTFT; and the
 retention of each against direct: EM and contains ratios, ``kl_benefit = 1 - KL_v / KL_none`` and
@@ -38,9 +40,11 @@ DEFAULT_VARIANTS = ("direct,none,alone,prefix,prefix+dev@0.05,prefix+dev@0.1,pre
                     "prefix+start@0.15,stored,stored+dev@0.15")
 
 
-def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict):
+def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict, source=None,
+                  translator: str | None = None):
     """The context builder a variant name stands for (variants of one base share its per-piece cache, so a
-    piece is prefilled once per base, whatever the repair after it)."""
+    piece is prefilled once per base, whatever the repair after it). ``tr:INJECTION`` variants translate the
+    store's chunks (made by ``source``) with ``translator``."""
     from mot_cag.pipeline.context import LRU, DirectContext, NativeChunksContext, NoneContext, Recompute
     from mot_cag.pipeline.translation import translated_builder
 
@@ -60,6 +64,9 @@ def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict
         return NativeChunksContext(target, cache, recompute=recompute, prefixed=True)
     if base == "stored":
         return translated_builder(target, target, cache=cache, recompute=recompute, chunk_prefix=store_prefix)
+    if base.startswith("tr:"):
+        return translated_builder(source, target, translator, base[3:], cache=cache, recompute=recompute,
+                                  chunk_prefix=store_prefix)
     raise SystemExit(f"unknown variant {name!r}")
 
 
@@ -103,7 +110,9 @@ def table(summary: dict, title: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, help="the target (and the store's source unless --source)")
+    ap.add_argument("--source", default=None, help="the store's source model, for tr:INJECTION variants")
+    ap.add_argument("--translator", default=None, help="translator folder for tr:* variants (default: found)")
     ap.add_argument("--corpus", required=True, help="a folder written by `mot-cag data corpus`")
     ap.add_argument("--store", required=True, help="store folder (ingested with --chunk-prefix prompt if absent)")
     ap.add_argument("--out", required=True, help="output path without suffix (.jsonl rows, .json summary)")
@@ -126,15 +135,16 @@ def main() -> None:
     corpus = Path(args.corpus)
     if not Store.exists(args.store):
         t0 = time.perf_counter()
-        res = ingest([corpus / "docs"], args.store, args.model, chunk_prefix="prompt")
+        res = ingest([corpus / "docs"], args.store, args.source or args.model, chunk_prefix="prompt")
         print(f"ingested {res.chunks_added} chunks in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     prefix = Store.read_config(args.store).prefix_ids
     target = load_model(args.model)
+    source = load_model(args.source, weights=False) if args.source else target
     variants = [v for v in args.variants.split(",") if v]
     caches: dict = {}
-    builders = {v: build_variant(v, target, prefix, caches) for v in variants}
+    builders = {v: build_variant(v, target, prefix, caches, source, args.translator) for v in variants}
     evaluator = Evaluator(target, builders)
-    pieces_for = store_pieces_for(args.store, args.top_k, source=target)
+    pieces_for = store_pieces_for(args.store, args.top_k, source=source)
     examples = load_examples(str(corpus / "questions.jsonl"))[args.offset:]
     examples = examples[: args.limit] if args.limit else examples
 

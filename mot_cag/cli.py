@@ -462,7 +462,9 @@ def translators_cmd(as_json: JsonOpt = False) -> None:
 def train_cmd(
     source: Annotated[str, typer.Option(help="Model whose caches are translated.")],
     target: Annotated[str, typer.Option(help="Model that reads the translated caches.")],
-    data: Annotated[str, typer.Option(help="synthetic, a JSONL dataset, or a text file.")] = "synthetic",
+    data: Annotated[str, typer.Option(
+        help="synthetic (the zoo's task), documents (corpus-like fact documents), prose (texts shipped in installed "
+             "packages), real (documents + prose), a JSONL dataset, or a text file.")] = "synthetic",
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 300,
     experts: Annotated[int, typer.Option(help="Experts K per mixture.")] = 4,
     top_k: Annotated[int, typer.Option("--top-k", help="Experts mixed per token.")] = 2,
@@ -486,13 +488,18 @@ def train_cmd(
     eval_examples: Annotated[int, typer.Option("--eval", help="Held-out pairs scored after training.")] = 16,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     half: Annotated[bool, typer.Option("--half", help="Store the weights as float16 (half the size).")] = False,
+    chunk_prefix: Annotated[str, typer.Option(
+        help="auto, prompt or none: train on chunks prefilled after each model's prompt head, as prefixed stores "
+             "hold them (auto: when both models make prefixed stores).")] = "auto",
+    calibration_tokens: Annotated[int, typer.Option(help="Tokens that fit normalisation (and the ridge).")] = 4096,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it."""
     from mot_cag.translate.train import TrainConfig, TrainRequest, run_training
 
     try:
-        cfg = TrainConfig(steps=steps, batch=batch, lr=lr, ce=ce, ccl=ccl, kl=kl, init=init, seed=seed, data=data)
+        cfg = TrainConfig(steps=steps, batch=batch, lr=lr, ce=ce, ccl=ccl, kl=kl, init=init, seed=seed, data=data,
+                          chunk_prefix=chunk_prefix, calibration_tokens=calibration_tokens)
     except ValueError as e:
         raise MotCagError(str(e)) from None
     req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,

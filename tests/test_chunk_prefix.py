@@ -194,3 +194,86 @@ def test_explicit_chunk_prefix_on_an_existing_store_must_match(chat_model_dir, d
 def test_contexts_without_a_store_are_not_treated_as_prefixed(chat_lm):
     builder = translated_builder(chat_lm, chat_lm, chunk_prefix=())  # eval of a dataset's own contexts
     assert builder.prefixed is False and builder.recompute.ratio == 0.0
+
+
+# ----------------------------------------------------------------------- translators for prefixed stores
+
+
+def _prefixed_identity(lm):
+    """An identity translator lm -> lm marked as trained on chunks prefilled after lm's prompt head."""
+    from mot_cag.translate.mot import build_translator
+
+    tr = build_translator(lm, lm, expert="mlp", experts=1, top_k=1, hidden=8).eval()
+    tr.config.source_head = tr.config.target_head = list(prompt_format(lm).head)
+    return tr
+
+
+def test_translated_prefixed_store_aligns_text_and_separator_after_the_head(chat_model_dir, chat_lm, docs, tmp_path,
+                                                                            monkeypatch):
+    """The cross-model path on a prefixed store: source chunks (text + separator, made after the source head)
+    are aligned over text + separator and placed after the target's head. With an identity translator on the
+    same weights this is exactly the stored-chunk context (the path is forced by treating the pair as two
+    models)."""
+    import mot_cag.pipeline.translation as translation
+    from mot_cag.pipeline.retrieval import hits_to_pieces
+    from mot_cag.store.store import Store
+
+    _ingest(docs, tmp_path / "store", str(chat_model_dir))
+    st = Store.open(tmp_path / "store")
+    pieces = hits_to_pieces(st, st.search("Where was Ana Brell born?", k=3))
+    off = Recompute(0.0)
+    stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids, recompute=off).build(pieces)
+    monkeypatch.setattr(translation, "same_model", lambda a, b: False)
+    tr = _prefixed_identity(chat_lm)
+    for injection in ("direct", "replay-joint"):
+        built = translated_builder(chat_lm, chat_lm, tr, injection, recompute=off,
+                                   chunk_prefix=st.config.prefix_ids).build(pieces)
+        assert built.ids == stored.ids
+        if injection == "direct":
+            torch.testing.assert_close(built.kv.keys, stored.kv.keys, rtol=0, atol=1e-4)
+            torch.testing.assert_close(built.kv.values, stored.kv.values, rtol=0, atol=1e-4)
+    st.close()
+
+
+def test_translator_and_store_must_agree_on_the_chunk_prefix(chat_lm, monkeypatch):
+    import mot_cag.pipeline.translation as translation
+    from mot_cag.translate.mot import build_translator
+
+    monkeypatch.setattr(translation, "same_model", lambda a, b: False)
+    head = prompt_format(chat_lm).head
+    alone = build_translator(chat_lm, chat_lm, expert="mlp", experts=1, top_k=1, hidden=8).eval()
+    with pytest.raises(MotCagError, match="trained on chunks prefilled alone.*--chunk-prefix prompt"):
+        translated_builder(chat_lm, chat_lm, alone, "direct", chunk_prefix=head)
+    prefixed = _prefixed_identity(chat_lm)
+    with pytest.raises(MotCagError, match="prefilled alone, but .* after the prompt head"):
+        translated_builder(chat_lm, chat_lm, prefixed, "direct", chunk_prefix=())
+    with pytest.raises(MotCagError, match="another prompt head"):
+        translated_builder(chat_lm, chat_lm, prefixed, "direct", chunk_prefix=(1, 2, 3))
+    prefixed.config.target_head = [1, 2]
+    with pytest.raises(MotCagError, match="prompt head differs"):
+        translated_builder(chat_lm, chat_lm, prefixed, "direct", chunk_prefix=head)
+    # A prefix-free store and translator still work together.
+    assert translated_builder(chat_lm, chat_lm, alone, "direct", chunk_prefix=()).separated is False
+
+
+def test_prefixed_training_examples_are_made_after_the_heads(chat_lm):
+    """Training examples for prefixed stores: source chunk as ingest stores it, target context after its head;
+    a ridge fit on the same model is then near-exact and scores a context benefit near 1."""
+    from mot_cag.translate.ridge import fit_ridge_translator
+    from mot_cag.translate.train import Heads, TrainConfig, evaluate_translator, example_stream, prepare_example
+
+    heads = Heads.of(chat_lm, chat_lm)
+    head = prompt_format(chat_lm).head
+    ex = prepare_example(chat_lm, chat_lm, (DOCS["a.txt"], "\nQuestion: Where was Ana Brell born?"), heads=heads)
+    ids = encode(chat_lm.tokenizer, DOCS["a.txt"] + heads.separator)
+    assert ex.start == len(head) and ex.tgt_ids.tolist() == ids and ex.src_chunk.start == 0
+    whole = kv.prefill(chat_lm.model, as_tensor(list(head) + ids))
+    torch.testing.assert_close(ex.native_full.keys[:, :, :len(ids)], whole.keys[:, :, len(head):], rtol=0, atol=1e-4)
+    cfg = TrainConfig(max_context_tokens=96, calibration_tokens=400, chunk_prefix="prompt", data="documents")
+    tr = fit_ridge_translator(chat_lm, chat_lm, example_stream(chat_lm, chat_lm, cfg), tokens=400, ridge_lambda=1e-6)
+    assert tr.config.training["calibration"]["key_residual"] < 1e-3
+    pairs = [(DOCS["b.txt"], "\nQuestion: What is the access code of Tomas Reddick?\nAnswer: 48213.")]
+    score = evaluate_translator(tr, chat_lm, chat_lm, pairs, "direct", heads=heads)
+    assert score["n"] == 1 and score["kl_benefit"] > 0.99
+    with pytest.raises(ValueError, match="direct injection only"):
+        evaluate_translator(tr, chat_lm, chat_lm, pairs, "replay", heads=heads)

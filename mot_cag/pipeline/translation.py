@@ -11,6 +11,7 @@ from mot_cag.errors import MotCagError
 from mot_cag.models.cache import KVChunk, Positioner
 from mot_cag.models.registry import LoadedModel
 from mot_cag.pipeline.context import LRU, Piece, Recompute, ReplayJointContext, TranslatedContext, TranslateFn
+from mot_cag.prompts import prompt_format
 
 AUTO_INJECTION = "replay-joint"
 """What ``auto`` means: on the held-out store corpora, replay over the joined context keeps 0.99 of the context's
@@ -36,6 +37,7 @@ def piece_translator(
     translator=None,
     mode: str | None = None,
     window_only: bool = False,
+    separator: str = "",
 ) -> TranslateFn:
     """A ``(piece, start) -> KVChunk`` function for :class:`~mot_cag.pipeline.context.TranslatedContext`.
 
@@ -52,6 +54,8 @@ def piece_translator(
         mode: ``direct`` or ``replay`` injection (default: the translator's own).
         window_only: Return the translator's target layers untouched (:func:`~mot_cag.translate.inject.injected_kv`),
             for :class:`~mot_cag.pipeline.context.ReplayJointContext`; ``mode`` is then ignored.
+        separator: Text after each piece's text in its stored chunk (a prefixed store's chunks hold text and the
+            prompt's separator); source and target tokens are aligned over text + separator.
     """
     device = target.device
     if same_model(source, target):
@@ -72,12 +76,13 @@ def piece_translator(
 
     @torch.no_grad()
     def translate_piece(piece: Piece, start: int) -> KVChunk:
-        al = token_alignment(source.tokenizer, target.tokenizer, piece.text, add_special_tokens=False)
+        al = token_alignment(source.tokenizer, target.tokenizer, piece.text + separator, add_special_tokens=False)
         src = _source_kv(piece).to(device=device, dtype=torch.float32)
         if src.length != len(al.src_ids):
             raise MotCagError(
-                f"A stored chunk holds {src.length} source tokens but its text tokenizes to {len(al.src_ids)}; "
-                "the store was made with another tokenizer: re-ingest it with this source model."
+                f"A stored chunk holds {src.length} source tokens but its text tokenizes to {len(al.src_ids)} "
+                f"{source.name} tokens; the store was made with another tokenizer or chunk prefix: re-ingest it with "
+                "this source model."
             )
         W, ids = al.W.to(device), al.tgt_ids.to(device)
         if window_only:
@@ -144,15 +149,52 @@ def translated_builder(
     tr = _load(source, target, translator)
     mode = AUTO_INJECTION if injection == "auto" else injection
     check_injection(tr, mode)
-    # Translators are trained on source chunks prefilled alone, so the target's own parts (separators) are made
-    # alone too, and auto recompute stays off until it is measured for translated pairs.
+    prefixed = check_translator_prefix(tr, target, chunk_prefix)
+    # A prefixed translator maps chunks made after the source's head (text + separator) onto the target's
+    # chunks made after its own head, which stands once at the front of the context.
+    sep = prompt_format(target).separator if prefixed else ""
     if mode == "replay-joint":
         lm = tr.config.layers
         window = [lm.target_layers[i] for i in lm.window_positions()]
-        fn = piece_translator(source, target, translator=tr, window_only=True)
-        return ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute, prefixed=False)
-    return TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode), cache, recompute,
-                             prefixed=False)
+        fn = piece_translator(source, target, translator=tr, window_only=True, separator=sep)
+        builder: TranslatedContext = ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute,
+                                                        prefixed=prefixed)
+    else:
+        builder = TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode, separator=sep),
+                                    cache, recompute, prefixed=prefixed)
+    builder.separated = prefixed
+    return builder
+
+
+def check_translator_prefix(tr, target: LoadedModel, chunk_prefix: tuple[int, ...] | None) -> bool:
+    """Whether the translator reads prefixed chunks; a clear error when the store's chunks or the target's
+    prompt head are not the ones it was trained on.
+
+    Args:
+        tr: The loaded translator.
+        target: The target model.
+        chunk_prefix: The store's prefix ids (empty: chunks prefilled alone; ``None``: not known, the
+            translator's own is assumed).
+    """
+    cfg = tr.config
+    prefixed = bool(cfg.source_head)
+    pair = f"{cfg.source} -> {cfg.target}"
+    if chunk_prefix is not None and bool(chunk_prefix) != prefixed:
+        how = "after the source's prompt head" if chunk_prefix else "alone"
+        trained = "after the prompt head" if prefixed else "alone"
+        fix = "prompt" if chunk_prefix else "none"
+        raise MotCagError(f"This store's chunks were prefilled {how}, but translator {pair} was trained on chunks "
+                          f"prefilled {trained}; train one for such stores (`mot-cag train --source {cfg.source} "
+                          f"--target {cfg.target} --chunk-prefix {fix}`) or ingest into a new store with "
+                          f"--chunk-prefix {'none' if chunk_prefix else 'prompt'}.")
+    if prefixed and chunk_prefix and tuple(chunk_prefix) != tuple(cfg.source_head):
+        raise MotCagError(f"This store's chunks were prefilled after another prompt head than translator {pair} was "
+                          "trained on (the source's chat template or instruction changed); retrain the translator "
+                          "or ingest into a new store.")
+    if prefixed and tuple(prompt_format(target).head) != tuple(cfg.target_head):
+        raise MotCagError(f"{target.name}'s prompt head differs from the one translator {pair} was trained after "
+                          "(its chat template or instruction changed); retrain the translator.")
+    return prefixed
 
 
 def _source_kv(piece: Piece) -> KVChunk:

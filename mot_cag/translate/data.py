@@ -78,10 +78,95 @@ def file_pairs(path: str | Path) -> list[Pair]:
     return pairs
 
 
+def prose_files() -> list[Path]:
+    """Documentation and licence texts shipped inside the installed packages (sorted: deterministic)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["purelib"])
+    names = ("README", "LICENSE", "LICENCE", "NOTICE", "AUTHORS", "CHANGELOG", "HISTORY")
+    out = []
+    for path in sorted(root.rglob("*")):
+        stem = path.name.upper()
+        if not path.is_file() or path.stat().st_size < 400 or path.stat().st_size > 400_000:
+            continue
+        if path.suffix.lower() in (".md", ".rst", ".txt") or stem.startswith(names):
+            if path.suffix.lower() in ("", ".md", ".rst", ".txt"):
+                out.append(path)
+    return out
+
+
+def _split_of_path(path: Path) -> str:
+    import hashlib
+
+    key = "/".join(path.parts[-3:]).encode()
+    return "eval" if hashlib.sha256(key).digest()[0] < 26 else "train"
+
+
+def prose_pairs(seed: int, split: str = "train", chars: int = 1400) -> Iterator[Pair]:
+    """Endless pairs cut from :func:`prose_files` (about ``chars`` characters of context, then a continuation);
+    a stable hash of each file's name puts about 10% of the files in the ``eval`` split."""
+    rng = random.Random(f"prose:{seed}")
+    files = [f for f in prose_files() if _split_of_path(f) == split]
+    if not files:
+        raise MotCagError("No documentation or licence texts found in the installed packages for training text.")
+    while True:
+        path = rng.choice(files)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        text = "\n".join(line.rstrip() for line in text.splitlines()).strip()
+        if len(text) < 400:
+            continue
+        at = rng.randrange(0, max(1, len(text) - chars - 300))
+        at = text.find("\n", at) + 1 if text.find("\n", at) >= 0 else at
+        piece = text[at: at + chars + 300]
+        cut = piece.rfind(" ", 0, chars)
+        if cut < 200 or sum(c.isalpha() or c == " " for c in piece) < 0.75 * len(piece):
+            continue  # tables of numbers and the like are not prose
+        yield piece[:cut], piece[cut:]
+
+
+def document_pairs(seed: int, split: str = "train") -> Iterator[Pair]:
+    """Endless corpus-like documents (a title and fact sentences about several people, as ``mot-cag data corpus``
+    writes, but from the ``split`` strings) with one question and its answer as the continuation."""
+    from mot_cag.data.synthetic import WorldBuilder, render_document
+
+    rng = random.Random(f"documents:{seed}")
+    wb = WorldBuilder(rng, split)
+    while True:
+        wb.reset()
+        facts = wb.facts(rng.randint(3, 6), rng.randint(2, 3))
+        doc = render_document(facts, rng, title=True, sep=rng.choice([" ", "\n"]))
+        fact = rng.choice(facts)
+        yield doc, f"\nQuestion: {fact.question()}\nAnswer: {fact.value}."
+
+
+def real_text_pairs(seed: int, split: str = "train", prose_share: float = 0.5) -> Iterator[Pair]:
+    """Training text for real models: corpus-like fact documents and package prose, mixed."""
+    rng = random.Random(f"real:{seed}")
+    docs, prose = document_pairs(seed, split), prose_pairs(seed, split)
+    while True:
+        yield next(prose) if rng.random() < prose_share else next(docs)
+
+
+DATA_SOURCES = ("synthetic", "documents", "prose", "real")
+"""Built-in training texts: the zoo's synthetic task, corpus-like documents, package prose, or both (``real``)."""
+
+
 def pair_stream(data: str, seed: int, repeat_prob: float = 0.3) -> Iterator[Pair]:
-    """Endless pairs from ``data`` (``synthetic`` or a file path), shuffled with ``seed``."""
+    """Endless pairs from ``data`` (a name of :data:`DATA_SOURCES` or a file path), shuffled with ``seed``."""
     if data in ("synthetic", "synthetic:qa", ""):
         yield from synthetic_pairs(seed, repeat_prob)
+        return
+    if data == "documents":
+        yield from document_pairs(seed)
+        return
+    if data == "prose":
+        yield from prose_pairs(seed)
+        return
+    if data == "real":
+        yield from real_text_pairs(seed)
         return
     pairs = file_pairs(data)
     rng = random.Random(seed)

@@ -69,6 +69,9 @@ class TranslatorConfig:
         source_tokenizer: Tokenizer fingerprint of the source (``alignment.tokenizer_fingerprint``).
         target_tokenizer: Same for the target.
         kind: ``mot`` (K > 1), ``single`` (K = 1, trained) or ``ridge`` (closed form).
+        source_head: The source prompt head its source chunks were prefilled after (a prefixed store's
+            ``prefix_ids``); empty: chunks prefilled alone.
+        target_head: The target prompt head its output follows (empty: none).
         training: Summary of how it was made (steps, losses, data, seconds...).
         version: File format version.
     """
@@ -92,6 +95,8 @@ class TranslatorConfig:
     source_tokenizer: str = ""
     target_tokenizer: str = ""
     kind: str = "mot"
+    source_head: list[int] = field(default_factory=list)
+    target_head: list[int] = field(default_factory=list)
     training: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
 

@@ -69,6 +69,11 @@ class TrainConfig:
             the translator learns to write K/V for chunks that do not start at 0.
         plain_chunk: Probability of tokenizing the source context without special tokens (as a stored chunk
             may be); the target side always starts with its own specials, computed natively.
+        chunk_prefix: ``none`` (contexts prefilled alone, as in prefix-free stores) or ``prompt``: every source
+            context is prefilled after the source's prompt head and every native target context after the
+            target's, the separator appended, as a prefixed store's chunks are made and read
+            (:data:`mot_cag.config.CHUNK_PREFIXES`). ``auto`` (resolved by :func:`run_training`): ``prompt`` when
+            both models would make prefixed stores (RoPE models with a chat or completion prompt).
         log_every: Steps between log records.
     """
 
@@ -92,6 +97,7 @@ class TrainConfig:
     max_context_tokens: int = 384
     random_start: float = 0.25
     plain_chunk: float = 0.5
+    chunk_prefix: str = "none"
     log_every: int = 10
     extra: dict = field(default_factory=dict)
 
@@ -102,6 +108,8 @@ class TrainConfig:
             raise ValueError("Loss weights must be >= 0 with at least one of ce, ccl, kl positive.")
         if self.init not in ("ridge", "identity"):
             raise ValueError("init must be 'ridge' or 'identity'.")
+        if self.chunk_prefix not in ("auto", "none", "prompt"):
+            raise ValueError("chunk_prefix must be 'auto', 'none' or 'prompt'.")
 
 
 @dataclass
@@ -116,6 +124,7 @@ class Example:
         start: Target position of the context's first token.
         native_full: Target's own KV over context + continuation ``[L_t, H_t, T_t + T_c, D_t]``.
         native_logits: ``[T_c, vocab]`` target logits over the continuation with its own context.
+        head: The target's prompt head KV that stands before the context (prefixed examples), else ``None``.
     """
 
     src_chunk: KVChunk
@@ -125,19 +134,65 @@ class Example:
     start: int
     native_full: KVChunk
     native_logits: torch.Tensor
+    head: KVChunk | None = None
+
+    def with_head(self, ctx: KVChunk) -> KVChunk:
+        """``ctx`` (the context's cache) with the head's KV before it, when there is a head."""
+        from mot_cag.models.cache import join
+
+        return ctx if self.head is None else join([self.head.to(ctx.keys.device), ctx])
+
+    def after_head(self, full: KVChunk) -> KVChunk:
+        """``full`` without the head's rows."""
+        return full if self.head is None else full.slice(self.head.length, full.length)
+
+
+@dataclass
+class Heads:
+    """The prompt heads a prefixed example's contexts are prefilled after (see ``TrainConfig.chunk_prefix``).
+
+    Attributes:
+        source: Source head KV (source chunks are made after it and moved back to position 0, as ingest does).
+        target: Target head KV (native target contexts follow it, at ``target.end``).
+        separator: Text appended to every context (the prompt format's piece separator).
+    """
+
+    source: KVChunk
+    target: KVChunk
+    separator: str
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, source, target) -> Heads:
+        """Both models' prompt heads; both formats must have one and share the separator."""
+        from mot_cag.prompts import prompt_format
+
+        sp, tp = prompt_format(source), prompt_format(target)
+        if not sp.head or not tp.head or sp.separator != tp.separator:
+            raise ValueError(f"chunk_prefix 'prompt' needs both models to have a prompt head and one separator "
+                             f"({source.name}: {len(sp.head)} head tokens, separator {sp.separator!r}; "
+                             f"{target.name}: {len(tp.head)}, {tp.separator!r}).")
+        src = prefill(source.model, torch.tensor(sp.head, device=source.device))
+        tgt = prefill(target.model, torch.tensor(tp.head, device=target.device))
+        return cls(src, tgt, sp.separator)
 
 
 @torch.no_grad()
 def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, start: int = 0,
-                    max_continuation_tokens: int = 128, src_special_tokens: bool = True) -> Example | None:
+                    max_continuation_tokens: int = 128, src_special_tokens: bool = True,
+                    heads: Heads | None = None) -> Example | None:
     """Tokenize, align, prefill the source and run the native target; ``None`` if the pair is unusable.
 
     The target side always gets its specials (its ``</s>`` leads every context and is computed natively);
     ``src_special_tokens=False`` tokenizes the source side as a stored chunk without them. Contexts longer
     than ``max_context_tokens`` (or than the target's position limit allows) are cut at a character
-    boundary; continuations are cut to ``max_continuation_tokens``.
+    boundary; continuations are cut to ``max_continuation_tokens``. With ``heads`` the context (plus the
+    separator) is tokenized without specials on both sides, the source prefills it after its head (moved back
+    to position 0, as a prefixed store holds it) and the target after its own (``start`` = head length).
     """
     context, continuation = pair
+    if heads is not None:
+        start = heads.target.length
     cont_ids = torch.tensor(target.tokenizer(continuation, add_special_tokens=False)["input_ids"], dtype=torch.long)
     cont_ids = cont_ids[:max_continuation_tokens]
     budget = min(max_context_tokens, target.layout.max_positions - start - len(cont_ids),
@@ -145,17 +200,30 @@ def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, s
     if budget < 4 or len(cont_ids) < 2:
         return None
     context = context[: 8 * budget]
+    sep = heads.separator if heads is not None else ""
     while True:
-        al = token_alignment(source.tokenizer, target.tokenizer, context, src_special_tokens=src_special_tokens)
+        if heads is None:
+            al = token_alignment(source.tokenizer, target.tokenizer, context, src_special_tokens=src_special_tokens)
+        else:
+            al = token_alignment(source.tokenizer, target.tokenizer, context + sep, add_special_tokens=False)
         if max(len(al.src_ids), len(al.tgt_ids)) <= budget:
             break
         context = context[: int(len(context) * 0.85)]
     if len(al.tgt_ids) == 0 or len(al.src_ids) == 0:
         return None
-    src_chunk = prefill(source.model, al.src_ids.to(source.device))
-    native_ctx = prefill(target.model, al.tgt_ids.to(target.device), start=start)
-    logits, native_full = forward(target.model, cont_ids.to(target.device), native_ctx)
-    return Example(src_chunk.to(target.device), al.W, al.tgt_ids, cont_ids, start, native_full, logits)
+    if heads is None:
+        src_chunk = prefill(source.model, al.src_ids.to(source.device))
+        native_ctx = prefill(target.model, al.tgt_ids.to(target.device), start=start)
+        logits, native_full = forward(target.model, cont_ids.to(target.device), native_ctx)
+        return Example(src_chunk.to(target.device), al.W, al.tgt_ids, cont_ids, start, native_full, logits)
+    from mot_cag.models.cache import Positioner, join, prefill_after
+
+    made = prefill_after(source.model, al.src_ids.to(source.device), heads.source)
+    src_chunk = Positioner(source.layout, source.model.config).reposition(made, 0)
+    native_ctx = prefill_after(target.model, al.tgt_ids.to(target.device), heads.target)
+    logits, full = forward(target.model, cont_ids.to(target.device), join([heads.target, native_ctx]))
+    native_full = full.slice(heads.target.length, full.length)
+    return Example(src_chunk.to(target.device), al.W, al.tgt_ids, cont_ids, start, native_full, logits, heads.target)
 
 
 def _relative_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -174,7 +242,8 @@ def loss_terms(translator: Translator, ex: Example, target, mode: str | None = N
     """The differentiable loss terms of one example."""
     mode = mode or translator.config.mode
     ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, mode)
-    logits, full = forward(target.model, ex.cont_ids.to(target.device), ctx)
+    logits, full = forward(target.model, ex.cont_ids.to(target.device), ex.with_head(ctx))
+    full = ex.after_head(full)
     cont = ex.cont_ids.to(logits.device)
     first = 0 if mode == "direct" else translator.config.layers.window_start
     ccl = (_relative_mse(full.keys[first:], ex.native_full.keys[first:])
@@ -211,12 +280,14 @@ def _param_groups(translator: Translator, cfg: TrainConfig) -> list[dict]:
 def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) -> Iterable[Example]:
     """Endless prepared examples from ``cfg.data``."""
     rng = random.Random(cfg.seed if seed is None else seed)
+    heads = Heads.of(source, target) if cfg.chunk_prefix == "prompt" else None
     for pair in pair_stream(cfg.data, cfg.seed if seed is None else seed, cfg.repeat_prob):
         start = 0
         if target.layout.positions == "absolute" and rng.random() < cfg.random_start:
             start = rng.randint(1, max(1, target.layout.max_positions // 4))
         plain = rng.random() < cfg.plain_chunk
-        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start, src_special_tokens=not plain)
+        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start, src_special_tokens=not plain,
+                             heads=heads)
         if ex is not None:
             yield ex
 
@@ -287,7 +358,7 @@ def train_translator(
 @torch.no_grad()
 def evaluate_translator(
     translator: Translator, source, target, pairs: Iterable[Pair], mode: str | None = None,
-    max_context_tokens: int = 384,
+    max_context_tokens: int = 384, heads: Heads | None = None,
 ) -> dict:
     """Held-out fidelity over continuations: KL to the native target and the context benefit kept.
 
@@ -295,19 +366,23 @@ def evaluate_translator(
     its own prefill (native), over the translated cache, and with no context. Returns means of
     ``kl_translated`` = KL(native || translated), ``kl_none``, ``kl_benefit`` = 1 - kl_translated / kl_none,
     ``nll_native``, ``nll_translated``, ``nll_none``, ``nll_benefit`` = (none - translated) / (none - native),
-    ``top1_agreement`` (translated argmax = native argmax) and ``n``.
+    ``top1_agreement`` (translated argmax = native argmax) and ``n``. With ``heads`` (prefixed examples,
+    direct injection only) every context follows the target's head, and "no context" is the head alone.
     """
+    if heads is not None and (mode or translator.config.mode) != "direct":
+        raise ValueError("prefixed examples are scored with direct injection only (replay runs without the head; "
+                         "measure replay-joint through the pipeline).")
     sums = {"kl_translated": 0.0, "kl_none": 0.0, "nll_native": 0.0, "nll_translated": 0.0, "nll_none": 0.0,
             "top1_agreement": 0.0}
     n = 0
     for pair in pairs:
-        ex = prepare_example(source, target, pair, max_context_tokens)
+        ex = prepare_example(source, target, pair, max_context_tokens, heads=heads)
         if ex is None:
             continue
-        ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), 0, mode)
+        ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, mode)
         cont = ex.cont_ids.to(target.device)
-        logits, _ = forward(target.model, cont, ctx, keep_cache=False)
-        none, _ = forward(target.model, cont, None, keep_cache=False)
+        logits, _ = forward(target.model, cont, ex.with_head(ctx), keep_cache=False)
+        none, _ = forward(target.model, cont, ex.head, keep_cache=False)
         sl = slice(0, -1)
         sums["kl_translated"] += float(_kl(ex.native_logits[sl], logits[sl]))
         sums["kl_none"] += float(_kl(ex.native_logits[sl], none[sl]))
@@ -370,13 +445,23 @@ class TrainRequest:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-def heldout_pairs(n: int, seed: int = 12345) -> list[Pair]:
-    """Held-out synthetic pairs: the eval split of invented strings and a seed training never uses."""
+def heldout_pairs(n: int, seed: int = 12345, data: str = "synthetic") -> list[Pair]:
+    """Held-out pairs of the kind ``data`` names: the eval split (invented strings, package files) and a seed
+    training never uses. Training files have no held-out split here: synthetic pairs stand in."""
     import itertools
 
-    from mot_cag.translate.data import synthetic_pairs
+    from mot_cag.translate.data import document_pairs, prose_pairs, real_text_pairs, synthetic_pairs
 
-    return list(itertools.islice(synthetic_pairs(seed, split="eval"), n))
+    streams = {"documents": document_pairs, "prose": prose_pairs, "real": real_text_pairs}
+    return list(itertools.islice(streams.get(data, synthetic_pairs)(seed, split="eval"), n))
+
+
+def prefixed_by_default(lm) -> bool:
+    """Whether a store made by ``lm`` prefills its chunks after the prompt head by default (``auto``)."""
+    from mot_cag.prompts import prompt_format
+
+    fmt = prompt_format(lm)
+    return lm.layout.positions == "rope" and fmt.kind != "qa" and bool(fmt.head)
 
 
 def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -> dict:
@@ -400,6 +485,8 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
     device = pick_device(req.device)
     source = load_model(req.source, device=device)
     target = load_model(req.target, device=device)
+    if req.train.chunk_prefix == "auto":
+        req.train.chunk_prefix = "prompt" if prefixed_by_default(source) and prefixed_by_default(target) else "none"
     torch.manual_seed(req.train.seed)
     try:
         if req.kind == "ridge":
@@ -416,14 +503,23 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
             train_translator(translator, source, target, req.train, log=log)
     except ValueError as e:
         raise MotCagError(str(e)) from None
+    heads = None
+    if req.train.chunk_prefix == "prompt":
+        from mot_cag.prompts import prompt_format
+
+        heads = Heads.of(source, target)
+        translator.config.source_head = list(prompt_format(source).head)
+        translator.config.target_head = list(prompt_format(target).head)
     suffix = "" if req.kind == "mot" and req.mode == "direct" else f"{req.kind}-{req.mode}"
     out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
     result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "mode": req.mode,
               "experts": translator.config.experts, "params": translator.parameter_count()}
     if req.eval_examples:
-        pairs = heldout_pairs(req.eval_examples)
-        result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens)
-                          for m in ("direct", "replay") if not (m == "direct" and req.mode == "replay")}
+        pairs = heldout_pairs(req.eval_examples, data=req.train.data)
+        modes = ("direct",) if heads is not None else ("direct", "replay")
+        result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens,
+                                                 heads)
+                          for m in modes if not (m == "direct" and req.mode == "replay")}
         translator.config.training["heldout"] = result["eval"]
     save_translator(translator, out, half=req.half)
     result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
