@@ -47,3 +47,33 @@ def test_substitution_is_differentiable_and_checks_shapes(tiny_models):
     assert v.grad is not None and v.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="shape"):
         replay_forward(m.model, ids, {1: (native.keys[1][:, :-1], native.values[1][:, :-1])})
+
+
+@pytest.mark.parametrize("fam", ["gpt2", "opt", "qwen2"])
+def test_replay_without_logits_stops_below_a_top_window_with_the_same_cache(tiny_models, fam, monkeypatch):
+    """A top-aligned window is known K/V: the pass stops at its first layer and returns the same cache."""
+    from mot_cag.models import cache as kv
+
+    m = tiny_models[fam]
+    ids = torch.tensor(m.tokenizer(TEXT)["input_ids"])
+    native = prefill(m.model, ids)
+    top = m.layout.layers - 1
+    subs = {top: (torch.randn_like(native.keys[top]), torch.randn_like(native.values[top]))}
+    _, full = replay_forward(m.model, ids, subs)
+    stops = []
+    real_stop = kv._StopReplay
+
+    class Counted(real_stop):
+        def __init__(self, *a):
+            stops.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(kv, "_StopReplay", Counted)
+    logits, early = replay_forward(m.model, ids, subs, need_logits=False)
+    assert logits is None and stops == [1]
+    torch.testing.assert_close(early.keys, full.keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(early.values, full.values, rtol=0, atol=1e-6)
+    # A window that is not at the top runs the whole pass (layers above it read it).
+    _, mid = replay_forward(m.model, ids, {0: (native.keys[0], native.values[0])}, need_logits=False)
+    assert stops == [1]
+    torch.testing.assert_close(mid.keys, native.keys, rtol=0, atol=1e-5)

@@ -352,11 +352,20 @@ class _SubstitutingCache(DynamicCache):
     keep their autograd history, which lets translators train through the replay.
     """
 
-    def __init__(self, config, substitute: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, config, substitute: dict[int, tuple[torch.Tensor, torch.Tensor]], exit_at: int | None = None):
         super().__init__()  # full layers for every layer type (see to_dynamic_cache)
         self._substitute = dict(substitute)
+        self._exit_at = exit_at
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == self._exit_at:
+            # Every layer from here up is substituted: their K/V are known, so the rest of the pass (and the
+            # LM head) would compute nothing that is kept. Store them all and stop.
+            for i in sorted(self._substitute):
+                k, v = self._substitute[i]
+                super().update(k.to(key_states.dtype), v.to(value_states.dtype), i, *args, **kwargs)
+            self._substitute.clear()
+            raise _StopReplay
         sub = self._substitute.pop(layer_idx, None)
         if sub is not None:
             k, v = sub
@@ -369,13 +378,18 @@ class _SubstitutingCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class _StopReplay(Exception):
+    """Raised inside a replay once every remaining layer's K/V is substituted (see ``need_logits``)."""
+
+
 def replay_forward(
     model,
     input_ids: torch.Tensor,
     substitute: dict[int, tuple[torch.Tensor, torch.Tensor]],
     *,
     start: int = 0,
-) -> tuple[torch.Tensor, KVChunk]:
+    need_logits: bool = True,
+) -> tuple[torch.Tensor | None, KVChunk]:
     """Run ``input_ids`` (no prior context) with some layers' K/V replaced, and return the resulting cache.
 
     Args:
@@ -384,18 +398,30 @@ def replay_forward(
         substitute: ``{layer: (keys, values)}``, each ``[kv_heads, seq, head_dim]`` exactly as the layer would
             cache them (RoPE keys rotated at ``start..``).
         start: Global position of ``input_ids[0]``.
+        need_logits: With ``False``, when the substituted layers are all the layers from some layer up (a
+            top-aligned window), the pass stops at that layer: nothing above it changes the cache, so the
+            cache is the same and the layers above and the LM head are not paid for. Logits are then ``None``.
 
     Returns:
-        ``(logits [seq, vocab], chunk)``: the chunk holds the substituted K/V in the chosen layers and the
-        target's own recomputed K/V elsewhere.
+        ``(logits [seq, vocab] or None, chunk)``: the chunk holds the substituted K/V in the chosen layers and
+        the target's own recomputed K/V elsewhere.
     """
     ids = input_ids.view(1, -1).to(model.device)
+    layers = model.config.get_text_config().num_hidden_layers
+    exit_at = None
+    if not need_logits and substitute and set(substitute) == set(range(min(substitute), layers)):
+        exit_at = min(substitute)
     # (H, T, D) -> (1, H, T, D)
-    cache = _SubstitutingCache(model.config, {i: (k.unsqueeze(0), v.unsqueeze(0)) for i, (k, v) in substitute.items()})
+    cache = _SubstitutingCache(model.config, {i: (k.unsqueeze(0), v.unsqueeze(0)) for i, (k, v) in substitute.items()},
+                               exit_at)
     mask = torch.ones(1, ids.shape[1], dtype=torch.long, device=ids.device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(start, ids.shape[1], ids.device),
-                cache=cache, use_cache=True)
-    return out.logits[0], from_dynamic_cache(cache, start=start)
+    try:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(start, ids.shape[1], ids.device),
+                    cache=cache, use_cache=True, logits_to_keep=0 if need_logits else 1)
+        logits = out.logits[0] if need_logits else None
+    except _StopReplay:
+        logits = None
+    return logits, from_dynamic_cache(cache, start=start)
 
 
 # ------------------------------------------------------------------------ selective recompute (CacheBlend)

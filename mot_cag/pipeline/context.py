@@ -399,7 +399,8 @@ class ReplayJointContext(TranslatedContext):
         rows = {t: i for i, t in enumerate(self.layers)}
         substitute = {t: (joined.kv.keys[rows[t]], joined.kv.values[rows[t]]) for t in self.window}  # (H, T, D)
         with torch.no_grad():
-            _, chunk = kv.replay_forward(self.target.model, as_tensor(joined.ids, self.device), substitute, start=0)
+            _, chunk = kv.replay_forward(self.target.model, as_tensor(joined.ids, self.device), substitute, start=0,
+                                         need_logits=False)
         joined.timings["prefill_s"] = time.perf_counter() - t0
         return TargetContext(chunk, joined.tokens, joined.timings, joined.ids, joined.piece_starts)
 

@@ -189,7 +189,8 @@ def translate(
     if mode == "direct":
         return chunk
     model = getattr(target_lm, "model", target_lm)
-    _, replayed = replay_forward(model, tgt_ids.view(-1), window_substitutes(translator, chunk), start=target_start)
+    _, replayed = replay_forward(model, tgt_ids.view(-1), window_substitutes(translator, chunk), start=target_start,
+                                 need_logits=False)
     return replayed
 
 
