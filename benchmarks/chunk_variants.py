@@ -13,7 +13,8 @@ pieces and answers the same question, so the variants differ only by how the con
 - ``stored`` / ``stored+dev@R``: the store's own chunk files (fp16, prefilled after the head at ingest) through
   ``mot-cag ask``'s path (translated mode with the source as target);
 - ``tr:INJECTION`` / ``tr:INJECTION+dev@R`` (with ``--source``): the store's chunks, made by another model,
-  translated (``direct``, ``replay``, ``replay-joint``) by ``--translator`` (default: the one found for the pair).
+  translated (``direct``, ``replay``, ``replay-joint``) by ``--translator`` (default: the one found for the pair);
+  ``tr:replay-joint@W``: replay over the joined context with the top share W of the target's layers translated.
 
 Scores per variant: exact match, contains-answer, F1, answer NLL, KL(direct || variant), mean TTFT; and the
 retention of each against direct: EM and contains ratios, ``kl_benefit = 1 - KL_v / KL_none`` and
@@ -65,8 +66,10 @@ def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict
     if base == "stored":
         return translated_builder(target, target, cache=cache, recompute=recompute, chunk_prefix=store_prefix)
     if base.startswith("tr:"):
-        return translated_builder(source, target, translator, base[3:], cache=cache, recompute=recompute,
-                                  chunk_prefix=store_prefix)
+        injection, _, window = base[3:].partition("@")
+        cache = caches.setdefault(f"tr:{injection}", LRU())  # translated pieces do not depend on the window
+        return translated_builder(source, target, translator, injection, cache=cache, recompute=recompute,
+                                  chunk_prefix=store_prefix, window=float(window) if window else None)
     raise SystemExit(f"unknown variant {name!r}")
 
 

@@ -59,6 +59,9 @@ InjectionOpt = Annotated[str | None, typer.Option(
     help="How translated caches enter the target: auto (= replay-joint), direct (translated K/V are the cache; "
          "fastest), replay (the target re-runs each chunk with translated K/V in its window layers) or "
          "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention).")]
+WindowOpt = Annotated[str | None, typer.Option(
+    help="replay-joint: share of the target's layers, from the top, that take translated K/V (0-1]; the target "
+         "computes the layers below itself, about (1 - share) of a prefill. auto = the translator's own window.")]
 
 
 def _version(value: bool) -> None:
@@ -382,6 +385,7 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of synthetic datasets.")] = 0,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
     injection: InjectionOpt = "auto",
+    replay_window: WindowOpt = "auto",
     recompute: RecomputeOpt = "auto",
     recompute_policy: RecomputePolicyOpt = "deviation",
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
@@ -393,12 +397,14 @@ def eval_cmd(
     token accuracy, answer NLL and KL to direct context, and retention of translated vs direct."""
     from dataclasses import asdict
 
+    from mot_cag.config import parse_window
     from mot_cag.evaluation.report import render_table, save_plot
     from mot_cag.evaluation.run import EvalRequest, run_eval
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
                       limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto",
-                      recompute=recompute or "auto", recompute_policy=recompute_policy or "deviation")
+                      recompute=recompute or "auto", recompute_policy=recompute_policy or "deviation",
+                      replay_window=parse_window(replay_window))
     with _progress(not as_json) as progress:
         report, results = run_eval(req, progress=progress)
     if details:
@@ -635,6 +641,7 @@ def ask_cmd(
     top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
     mode: Annotated[str | None, typer.Option(help="translated, direct, native-chunks or none.")] = None,
     injection: InjectionOpt = None,
+    replay_window: WindowOpt = None,
     recompute: RecomputeOpt = None,
     recompute_policy: RecomputePolicyOpt = None,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
@@ -652,13 +659,14 @@ def ask_cmd(
 
     cfg = PipelineConfig.from_file(pipeline).override(store=store, top_k=top_k, mode=mode, injection=injection,
                                                       recompute=recompute, recompute_policy=recompute_policy,
-                                                      max_new_tokens=max_new_tokens, device=device)
+                                                      replay_window=replay_window, max_new_tokens=max_new_tokens,
+                                                      device=device)
     if question == "-":
         question = sys.stdin.read().strip()
     target = target or cfg.targets[0]
     asker = Asker(cfg.store, target, mode=cfg.mode, device=pick_device(cfg.device), translator=translator,
                   max_new_tokens=cfg.max_new_tokens, injection=cfg.injection,
-                  recompute=Recompute.parse(cfg.recompute, cfg.recompute_policy))
+                  recompute=Recompute.parse(cfg.recompute, cfg.recompute_policy), replay_window=cfg.replay_window)
     stream = (not as_json) and out.is_terminal
     if stream:
         out.print(f"[bold]{asker.target.name}[/bold] ({cfg.mode}): ", end="")

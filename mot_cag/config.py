@@ -22,6 +22,23 @@ RECOMPUTE_POLICIES = ("deviation", "start", "spread")
 CHUNK_PREFIXES = ("auto", "prompt", "none")
 
 
+def parse_window(value: float | str | None) -> float | str:
+    """A replay window setting: ``auto`` or a share of the target's layers in (0, 1] (text from the command line
+    is converted)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return "auto"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        share = float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise MotCagError(f"The replay window must be auto or a share of the target's layers in (0, 1] (e.g. 0.5), "
+                          f"got {value!r}.")
+    return share
+
+
 @dataclass
 class PipelineConfig:
     """One pipeline.
@@ -44,6 +61,9 @@ class PipelineConfig:
             cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
             kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE`, now 0; docs/chunk-caches.md).
         recompute_policy: Which tokens: ``deviation``, ``start`` or ``spread``.
+        replay_window: Replay-joint injection: the share of the target's layers, from the top, that take
+            translated K/V (the target computes the layers below over the whole context: about ``1 - window``
+            of a prefill), or ``auto``: the translator's own window.
         targets: Target models this pipeline is meant for (the demo asks each).
         max_new_tokens: Generation budget of ``ask``.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
@@ -60,6 +80,7 @@ class PipelineConfig:
     injection: str = "auto"
     recompute: float | str = "auto"
     recompute_policy: str = "deviation"
+    replay_window: float | str = "auto"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48
     device: str = "auto"
@@ -81,6 +102,7 @@ class PipelineConfig:
                 self.recompute = -1.0
             if not 0.0 <= self.recompute <= 1.0:
                 raise MotCagError(f"Pipeline recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {given!r}.")
+        self.replay_window = parse_window(self.replay_window)
         if self.recompute_policy not in RECOMPUTE_POLICIES:
             raise MotCagError(f"Pipeline recompute_policy '{self.recompute_policy}' is unknown; use one of "
                               f"{', '.join(RECOMPUTE_POLICIES)}.")

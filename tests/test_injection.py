@@ -93,6 +93,16 @@ def test_translated_builder_picks_injection(tiny_models, tmp_path):
     with pytest.raises(TranslatorError, match="replay"):
         translated_builder(s, t, replay_only, "direct")
     assert isinstance(translated_builder(s, t, replay_only, "auto"), ReplayJointContext)
+    # The replay window of a direct translator is chosen at question time: 1 = every layer translated, which
+    # is direct injection; a replay-only translator cannot widen its window.
+    whole = translated_builder(s, t, path, "replay-joint", window=1.0)
+    assert whole.window == list(range(t.layout.layers))
+    torch.testing.assert_close(whole.build(pieces).kv.keys, caches["direct"].kv.keys, atol=1e-5, rtol=1e-5)
+    assert translated_builder(s, t, path, "replay-joint", window=0.01).window == [t.layout.layers - 1]
+    with pytest.raises(MotCagError, match="covers target layers"):
+        translated_builder(s, t, replay_only, "replay-joint", window=1.0)
+    with pytest.raises(MotCagError, match="share"):
+        translated_builder(s, t, path, "replay-joint", window=0.0)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

@@ -47,3 +47,27 @@ def test_jsonl_and_text_files(tmp_path):
     assert sorted(stream[:2]) == sorted(pairs)
     with pytest.raises(MotCagError, match="not a file"):
         file_pairs(tmp_path / "missing.jsonl")
+
+
+
+def test_real_training_text_is_seeded_and_keeps_its_split():
+    """Training text for real models: package prose and corpus-like documents, the same for a seed; the
+    held-out split never shares a package file with the training one."""
+    import itertools
+
+    from mot_cag.translate.data import _split_of_path, document_pairs, prose_files, prose_pairs, real_text_pairs
+
+    a = list(itertools.islice(real_text_pairs(3), 6))
+    assert a == list(itertools.islice(real_text_pairs(3), 6))
+    assert all(len(ctx) > 100 and cont for ctx, cont in a)
+    files = prose_files()
+    assert files and {_split_of_path(f) for f in files} == {"train", "eval"}
+    train = {f for f in files if _split_of_path(f) == "train"}
+    held = [ctx for ctx, _ in itertools.islice(prose_pairs(0, "eval"), 10)]
+    texts = {f: f.read_text(encoding="utf-8", errors="replace") for f in files}
+    # Every held-out context comes from a held-out file (a line may also occur in a training file, e.g. a
+    # licence shipped twice, but its file is not a training one).
+    assert all(any(ctx.strip()[:80] in texts[f] for f in files if f not in train) for ctx in held)
+    doc, cont = next(document_pairs(5, "eval"))
+    assert doc != next(document_pairs(5, "train"))[0]
+    assert cont.startswith("\nQuestion: ") and "\nAnswer: " in cont

@@ -32,6 +32,7 @@ class EvalRequest:
     injection: str = "auto"
     recompute: float | str = "auto"
     recompute_policy: str = "deviation"
+    replay_window: float | str = "auto"
 
 
 def default_modes(source: str | None) -> list[str]:
@@ -77,7 +78,7 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
     repair = Recompute.parse(req.recompute, req.recompute_policy)
     builders = {m: make_builder(m, target, recompute=repair) for m in modes if m != "translated"}
     if "translated" in modes:
-        from mot_cag.pipeline.translation import translated_builder
+        from mot_cag.pipeline.translation import translated_builder, window_share
 
         prefix: tuple[int, ...] = ()  # without a store each context is prefilled alone (see _pieces_from_examples)
         if req.store:
@@ -85,7 +86,7 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
 
             prefix = Store.read_config(req.store).prefix_ids
         builders["translated"] = translated_builder(source, target, req.translator, req.injection, recompute=repair,
-                                                    chunk_prefix=prefix)
+                                                    chunk_prefix=prefix, window=window_share(req.replay_window))
     evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
     pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
     tick = progress(len(examples), 0) if progress else None

@@ -48,11 +48,14 @@ class Asker:
         injection: How translated caches enter the target (``auto``, ``direct``, ``replay``, ``replay-joint``;
             see :func:`~mot_cag.pipeline.translation.translated_builder`).
         recompute: Cross-chunk repair of joined caches (native-chunks and translated modes; default off).
+        replay_window: Replay-joint injection's share of target layers that take translated K/V (``auto``: the
+            translator's own).
     """
 
     def __init__(self, store: str, target: str | LoadedModel, mode: str = "translated",
                  device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48,
-                 injection: str = "auto", recompute: Recompute | None = None):
+                 injection: str = "auto", recompute: Recompute | None = None,
+                 replay_window: float | str = "auto"):
         if mode not in MODES:
             raise MotCagError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
         self.store = open_store(store)
@@ -61,7 +64,7 @@ class Asker:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, device=device)
         self.source_name = self.store.source.name
         if mode == "translated":
-            from mot_cag.pipeline.translation import translated_builder
+            from mot_cag.pipeline.translation import translated_builder, window_share
 
             source = load_model(self.source_name, weights=False)
             if source.fingerprint != self.store.source.fingerprint:
@@ -69,7 +72,8 @@ class Asker:
                                   f"{self.store.root}; re-ingest the documents.")
             self.builder: ContextBuilder = translated_builder(source, self.target, translator, injection,
                                                               recompute=recompute,
-                                                              chunk_prefix=self.store.config.prefix_ids)
+                                                              chunk_prefix=self.store.config.prefix_ids,
+                                                              window=window_share(replay_window))
         else:
             self.builder = make_builder(mode, self.target, recompute=recompute)
 

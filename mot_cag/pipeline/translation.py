@@ -112,6 +112,7 @@ def translated_builder(
     cache: LRU | None = None,
     recompute: Recompute | None = None,
     chunk_prefix: tuple[int, ...] | None = None,
+    window: float | None = None,
 ) -> TranslatedContext:
     """The ``translated`` context builder of a pair with the chosen injection.
 
@@ -127,6 +128,10 @@ def translated_builder(
         chunk_prefix: The prefix ids the store's chunks were prefilled after (:attr:`~mot_cag.store.store.
             StoreConfig.prefix_ids`; empty: none), when known. With the source as target, a non-empty prefix
             must be the target's prompt head, whose KV then stands once before the stored chunks.
+        window: Replay-joint only: the share of the target's layers, from the top, that take translated K/V
+            (the target computes the layers below over the joined context, so the pass costs about
+            ``1 - window`` of a prefill). Default: the translator's own window. A translator for direct
+            injection covers every layer, so any window from 0 to 1 can be chosen at question time.
 
     Raises:
         MotCagError: Unknown injection; a store prefilled after another prompt head than the target's;
@@ -155,15 +160,40 @@ def translated_builder(
     sep = prompt_format(target).separator if prefixed else ""
     if mode == "replay-joint":
         lm = tr.config.layers
-        window = [lm.target_layers[i] for i in lm.window_positions()]
+        layers = [lm.target_layers[i] for i in lm.window_positions()]
+        if window is not None:
+            layers = replay_window(tr, window)
         fn = piece_translator(source, target, translator=tr, window_only=True, separator=sep)
-        builder: TranslatedContext = ReplayJointContext(target, fn, list(lm.target_layers), window, cache, recompute,
+        builder: TranslatedContext = ReplayJointContext(target, fn, list(lm.target_layers), layers, cache, recompute,
                                                         prefixed=prefixed)
     else:
         builder = TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode, separator=sep),
                                     cache, recompute, prefixed=prefixed)
     builder.separated = prefixed
     return builder
+
+
+def window_share(value: float | str | None) -> float | None:
+    """A validated replay window setting as :func:`translated_builder` takes it (``auto`` -> ``None``)."""
+    from mot_cag.config import parse_window
+
+    share = parse_window(value)
+    return None if share == "auto" else float(share)
+
+
+def replay_window(tr, share: float) -> list[int]:
+    """The top ``share`` of the target's layers (at least one), checked against the layers ``tr`` translates."""
+    if not 0 < share <= 1:
+        raise MotCagError(f"The replay window is a share of the target's layers in (0, 1], got {share}.")
+    total = tr.config.tgt.layers
+    width = max(1, round(share * total))
+    layers = list(range(total - width, total))
+    if not set(layers) <= set(tr.config.layers.target_layers):
+        lm = tr.config.layers
+        raise MotCagError(f"Translator {tr.config.source} -> {tr.config.target} covers target layers "
+                          f"{lm.window_start}..{lm.window_start + lm.window_width - 1} only; a window of {share} needs "
+                          f"{layers[0]}..{total - 1}. Use a translator trained for direct injection (every layer).")
+    return layers
 
 
 def check_translator_prefix(tr, target: LoadedModel, chunk_prefix: tuple[int, ...] | None) -> bool:
