@@ -484,6 +484,9 @@ def train_cmd(
     token_features: Annotated[bool, typer.Option(
         "--token-features", help="Feed the target's token embeddings to the experts (direct injection).")] = False,
     prev_tokens: Annotated[int, typer.Option(help="Previous tokens whose features the experts also read.")] = 0,
+    token_rank: Annotated[int, typer.Option(
+        help="With --token-features: project the embeddings onto this many principal directions (0 = full "
+             "width; a smaller translator file).")] = 0,
     batch: Annotated[int, typer.Option(help="Examples per step.")] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
     ce: Annotated[float, typer.Option(help="Weight of the prompt-LM cross-entropy (paper: 1).")] = 0.0,
@@ -511,6 +514,7 @@ def train_cmd(
     req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,
                        experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
                        window_width=window_width, token_features=token_features, prev_token=prev_tokens,
+                       token_rank=token_rank,
                        eval_examples=eval_examples, device=device, half=half, train=cfg)
 
     def log(r: dict) -> None:  # progress goes to stderr, so --json output on stdout stays clean

@@ -322,3 +322,24 @@ def test_token_features_keep_identity_and_fit_exactly(tiny_models, fam):
     with torch.no_grad():
         out = translate(tr, native, al.W, m, al.tgt_ids)
     assert (out.values - native.values).pow(2).mean() < 1e-3 * native.values.var()
+
+
+def test_token_rank_projects_embeddings_onto_their_principal_directions(tiny_models, tmp_path):
+    """A low-rank token feature: the projection is orthonormal after calibration, the side features shrink to
+    the rank, the fit stays exact on the identity pair, and the projection survives a save and load."""
+    from mot_cag.translate.checkpoint import load_translator, save_translator
+    from mot_cag.translate.ridge import calibrate
+
+    m = tiny_models["qwen2"]
+    width = m.model.get_input_embeddings().weight.shape[1]
+    tr = build_translator(m, m, expert="linear", experts=1, top_k=1, kind="ridge", token_features=True,
+                          prev_token=1, token_rank=4).eval()
+    assert tr.config.token_width == 4 and tr.config.side_features == 8 and width > 4
+    cfg = TrainConfig(max_context_tokens=64, random_start=0.0, plain_chunk=0.0)
+    summary = calibrate(tr, example_stream(m, m, cfg), 300, fit=True, ridge_lambda=1e-6, target=m)
+    p = tr.emb_proj
+    torch.testing.assert_close(p.T @ p, torch.eye(4), atol=1e-4, rtol=0)
+    assert not torch.allclose(p, torch.eye(width, 4))  # fitted, not the initial value
+    assert summary["key_residual"] < 1e-3
+    loaded = load_translator(save_translator(tr, tmp_path / "tr"), m, m)
+    torch.testing.assert_close(loaded.emb_proj, p)

@@ -64,6 +64,8 @@ class TranslatorConfig:
             off). Direct injection knows the target's token ids; their embeddings (a table lookup, the target
             never runs) give the token identity the target's own layers key on; with ``prev_token`` the
             previous tokens' embeddings are added too.
+        token_rank: When > 0, the normalised embeddings are projected onto their first ``token_rank``
+            principal directions (fitted at calibration) before the experts read them.
         source_fingerprint: Weights+tokenizer fingerprint of the source (``registry.fingerprint``).
         target_fingerprint: Same for the target.
         source_tokenizer: Tokenizer fingerprint of the source (``alignment.tokenizer_fingerprint``).
@@ -90,6 +92,7 @@ class TranslatorConfig:
     pos_features: int = 0
     prev_token: int = 0
     token_features: int = 0
+    token_rank: int = 0
     source_fingerprint: str = ""
     target_fingerprint: str = ""
     source_tokenizer: str = ""
@@ -124,7 +127,13 @@ class TranslatorConfig:
     @property
     def side_features(self) -> int:
         """Width of the per-token side features ``p``: positions, then target embeddings (and previous)."""
-        return self.pos_features + self.token_features * (1 + int(self.prev_token))
+        return self.pos_features + self.token_width * (1 + int(self.prev_token))
+
+    @property
+    def token_width(self) -> int:
+        """Width of the token features the experts read: the embedding width, or ``token_rank`` when the
+        embeddings are projected onto their principal directions first."""
+        return self.token_rank or self.token_features
 
     @property
     def layers(self) -> LayerMap:
@@ -355,6 +364,11 @@ class Translator(nn.Module):
         # Target-embedding normalisation (calibrated with the rest); (1, E).
         self.register_buffer("emb_mean", torch.zeros(1, config.token_features))
         self.register_buffer("emb_std", torch.ones(1, config.token_features))
+        # Principal directions of the normalised embeddings (E, r), fitted at calibration (token_rank > 0).
+        if config.token_rank:
+            self.register_buffer("emb_proj", torch.eye(config.token_features, config.token_rank))
+        else:
+            self.emb_proj = None
 
     @property
     def device(self) -> torch.device:
@@ -380,6 +394,8 @@ class Translator(nn.Module):
             if embeddings is None:
                 raise ValueError("this translator needs the target's token embeddings (pass the target model)")
             e = (embeddings.to(device=device, dtype=dtype) - self.emb_mean) / self.emb_std  # (T, E)
+            if self.emb_proj is not None:
+                e = e @ self.emb_proj.to(dtype)  # (T, r)
             parts.append(e)
             if cfg.prev_token:
                 parts.append(previous_tokens(e.unsqueeze(0), int(cfg.prev_token))[0])
@@ -434,6 +450,7 @@ def build_translator(
     pos_features: int | None = None,
     prev_token: int = 0,
     token_features: bool = False,
+    token_rank: int = 0,
     kind: str | None = None,
 ) -> Translator:
     """A fresh (identity-initialised) translator for two loaded models.
@@ -452,6 +469,8 @@ def build_translator(
         pos_features: Position features (default 32 for absolute-position targets, 0 for RoPE).
         prev_token: Previous tokens the linear part also reads (0: none).
         token_features: Feed the target's token embeddings to the experts (see :class:`TranslatorConfig`).
+        token_rank: Project them onto this many principal directions first (0: the full width); keeps a
+            translator small for targets with wide embeddings.
         kind: Label for listings (default ``mot`` when K > 1 else ``single``).
     """
     from mot_cag.translate.alignment import tokenizer_fingerprint
@@ -465,6 +484,7 @@ def build_translator(
         layer_map=lm.to_dict(), mode=mode, expert=expert, experts=experts, top_k=min(top_k, experts),
         hidden=hidden, heads=heads, pos_features=pos_features, prev_token=int(prev_token),
         token_features=target.model.get_input_embeddings().weight.shape[1] if token_features else 0,
+        token_rank=int(token_rank) if token_features else 0,
         source_fingerprint=source.fingerprint, target_fingerprint=target.fingerprint,
         source_tokenizer=tokenizer_fingerprint(source.tokenizer),
         target_tokenizer=tokenizer_fingerprint(target.tokenizer),

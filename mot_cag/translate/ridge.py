@@ -82,6 +82,8 @@ def _side_rows(translator: Translator, data: dict[str, torch.Tensor]) -> torch.T
     if emb is not None and cfg.prev_token:
         # Translator.side shifts within one chunk; rows here concatenate examples, so shift per example.
         e = (emb - translator.emb_mean.cpu()) / translator.emb_std.cpu()
+        if translator.emb_proj is not None:
+            e = e @ translator.emb_proj.cpu()
         parts = []
         if cfg.pos_features:
             parts.append(position_features(data["pos"], cfg.pos_features, cfg.tgt.max_positions))
@@ -163,6 +165,11 @@ def calibrate(
         translator.emb_mean.copy_(data["emb"].mean(0, keepdim=True).to(dev))
         std = data["emb"].std(0, keepdim=True)
         translator.emb_std.copy_(torch.maximum(std, 0.01 * std.mean()).clamp_min(1e-6).to(dev))
+        if translator.emb_proj is not None:
+            e = (data["emb"] - translator.emb_mean.cpu()) / translator.emb_std.cpu()
+            # Principal directions of the calibration tokens' embeddings (right singular vectors).
+            _, _, vh = torch.linalg.svd(e.double(), full_matrices=False)
+            translator.emb_proj.copy_(vh[: translator.emb_proj.shape[1]].T.float().to(dev))
     out = {"tokens": int(data["pos"].numel())}
     if fit:
         p = _side_rows(translator, data)
@@ -175,7 +182,7 @@ def calibrate(
 def fit_ridge_translator(
     source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, mode: str = "direct",
     window_start: int | None = None, window_width: int | None = None, token_features: bool = False,
-    prev_token: int = 0,
+    prev_token: int = 0, token_rank: int = 0,
 ) -> Translator:
     """The training-free baseline: one linear map per target layer, fitted in closed form.
 
@@ -190,10 +197,11 @@ def fit_ridge_translator(
         window_width: Replay window width.
         token_features: Also regress on the target's token embeddings.
         prev_token: Also regress on this many previous tokens' features.
+        token_rank: Project the token embeddings onto this many principal directions (0: full width).
     """
     translator = build_translator(source, target, mode=mode, expert="linear", experts=1, top_k=1,
                                   window_start=window_start, window_width=window_width, kind="ridge",
-                                  token_features=token_features, prev_token=prev_token)
+                                  token_features=token_features, prev_token=prev_token, token_rank=token_rank)
     summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda,
                         target=target)
     translator.config.training = {"method": "ridge", "calibration": summary, "ridge_lambda": ridge_lambda}

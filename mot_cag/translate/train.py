@@ -419,6 +419,7 @@ class TrainRequest:
         window_start: Replay window start (default: top-aligned).
         window_width: Replay window width (default: 30% of the shallower depth).
         token_features: Feed the target's token embeddings to the experts.
+        token_rank: Project those embeddings onto this many principal directions first (0: full width).
         prev_token: Also feed this many previous tokens' features.
         eval_examples: Held-out synthetic pairs (eval split, fresh seed) scored after training (0: skip).
         device: ``auto``, ``cpu``, ``cuda``...
@@ -438,6 +439,7 @@ class TrainRequest:
     window_start: int | None = None
     window_width: int | None = None
     token_features: bool = False
+    token_rank: int = 0
     prev_token: int = 0
     eval_examples: int = 16
     device: str = "auto"
@@ -493,13 +495,13 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
             translator = fit_ridge_translator(
                 source, target, example_stream(source, target, req.train), req.train.calibration_tokens,
                 req.train.ridge_lambda, req.mode, req.window_start, req.window_width, req.token_features,
-                req.prev_token)
+                req.prev_token, req.token_rank)
         else:
             experts = 1 if req.kind == "single" else req.experts
             translator = build_translator(
                 source, target, mode=req.mode, expert=req.expert, experts=experts, top_k=min(req.top_k, experts),
                 hidden=req.hidden, window_start=req.window_start, window_width=req.window_width, kind=req.kind,
-                token_features=req.token_features, prev_token=req.prev_token)
+                token_features=req.token_features, prev_token=req.prev_token, token_rank=req.token_rank)
             train_translator(translator, source, target, req.train, log=log)
     except ValueError as e:
         raise MotCagError(str(e)) from None
