@@ -91,7 +91,7 @@ def _measure(tr, model, n: int, chunk: int, device: torch.device, dtype: torch.d
         t_direct = _time(direct, device, repeats)
         subs = window_substitutes(tr, translate(tr, chunks[0], W, model, ids[:per], mode="direct"))
         full = {layer: (kv[0].repeat(1, k, 1), kv[1].repeat(1, k, 1)) for layer, kv in subs.items()}
-        t_replay = _time(lambda: replay_forward(model, ids, full), device, repeats)
+        t_replay = _time(lambda: replay_forward(model, ids, full, need_logits=False), device, repeats)
     return {"tokens": k * per, "prefill_ms": 1e3 * t_prefill, "direct_ms": 1e3 * t_direct,
             "replay_joint_ms": 1e3 * t_replay, "direct_vs_prefill": t_direct / t_prefill,
             "replay_vs_prefill": t_replay / t_prefill}
