@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
-# The main job: ingest the sample corpus once with the source model, then answer one question with three
-# targets of different families from the same store (translated caches; no target prefills the text).
+# The main job: ingest the sample corpus once with a real source model (SmolLM2-135M), then answer one question
+# with the three real models of three families from that one store: SmolLM2 from its own stored chunk caches,
+# Qwen2.5-Coder-0.5B and Gemma-3-270m from translated caches (no target prefills the retrieved text). Then the
+# GPT-2 and OPT architectures, whose real weights are not available here, through the zoo's stand-ins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-STORE=stores/demo
+PIPELINE=pipelines/real.toml
+STORE=stores/demo-real
 QUESTION="Where was Cet Sor born?"   # answer: Stinddaldale (examples/corpus/people-00.txt)
 
-echo "== models available here"
-$BIN/mot-cag models
-echo
-echo "== ingest examples/corpus into $STORE (source model from pipelines/default.toml)"
-$BIN/mot-cag ingest examples/corpus --store "$STORE"
-$BIN/mot-cag store info --store "$STORE"
-echo
-echo "== ask: \"$QUESTION\""
-translators=$($BIN/mot-cag translators --json)
-source=$($BIN/python -c "from mot_cag.config import PipelineConfig; print(PipelineConfig.from_file().source)")
-for target in qwen2-mini opt-mini gpt2-mini; do
-  mode=translated
-  if [ "$target" != "$source" ] && ! printf '%s' "$translators" | grep -q "\"target\": \"$target\""; then
+ask_or_fallback() {  # store, target, extra options...
+  local store=$1 target=$2; shift 2
+  local source mode=translated
+  source=$($BIN/mot-cag store info --store "$store" --json | $BIN/python -c "import json,sys; print(json.load(sys.stdin)['source'])")
+  if [ "$target" != "$source" ] && ! $BIN/mot-cag translators --json | $BIN/python -c "
+import json, sys
+sys.exit(0 if any(t['source'] == '$source' and t['target'] == '$target' for t in json.load(sys.stdin)) else 1)"; then
     echo "(no translator $source -> $target is installed: answering from $target's own chunk caches instead;"
-    echo " train one with: mot-cag train --source $source --target $target)"
+    echo " train one with: mot-cag train --source $source --target $target --kind ridge --token-features --data real)"
     mode=native-chunks
   fi
-  $BIN/mot-cag ask "$QUESTION" --store "$STORE" --target "$target" --mode "$mode"
+  $BIN/mot-cag ask "$QUESTION" --store "$store" --target "$target" --mode "$mode" "$@"
   echo
+}
+
+echo "== models available here (real models are converted from their packages on first use)"
+$BIN/mot-cag models
+echo
+echo "== ingest examples/corpus into $STORE with smollm2-135m ($PIPELINE)"
+$BIN/mot-cag ingest examples/corpus --pipeline "$PIPELINE" --store "$STORE"
+$BIN/mot-cag store info --store "$STORE"
+echo
+echo "== ask the three real models: \"$QUESTION\""
+for target in smollm2-135m qwen2.5-coder-0.5b gemma-3-270m; do
+  ask_or_fallback "$STORE" "$target" --pipeline "$PIPELINE"
+done
+echo "== the OPT and GPT-2 architectures (zoo stand-ins trained here; their real weights are not available):"
+echo "== a qwen2-mini store (pipelines/default.toml), answered by opt-mini and gpt2-mini through translated caches"
+$BIN/mot-cag ingest examples/corpus --store stores/demo > /dev/null
+for target in opt-mini gpt2-mini; do
+  ask_or_fallback stores/demo "$target"
 done

@@ -1,6 +1,7 @@
 """Multi-agent memory: agents of three model families answer from ONE shared KV store.
 
-    python examples/multi_agent_memory.py --store stores/demo "Where was Cet Sor born?"
+    mot-cag ingest examples/corpus --pipeline pipelines/real.toml --store stores/demo-real
+    python examples/multi_agent_memory.py --store stores/demo-real "Where was Cet Sor born?"
 
 Each agent (a different target model) reads the same source-model caches, translated into its own cache
 space, instead of keeping and prefilling a store of its own. The script reports each agent's answer and
@@ -25,8 +26,8 @@ def kv_bytes_per_token(layout, dtype: str = "float16") -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("question")
-    parser.add_argument("--store", default="stores/demo")
-    parser.add_argument("--agents", nargs="+", default=["qwen2-mini", "opt-mini", "gpt2-mini"])
+    parser.add_argument("--store", default="stores/demo-real")
+    parser.add_argument("--agents", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"])
     parser.add_argument("--mode", default="translated")
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()

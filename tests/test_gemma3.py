@@ -114,3 +114,17 @@ def test_replay_joint_parts_of_some_layers_move_with_their_own_bases(tiny_gemma3
     native = NativeChunksContext(lm, recompute=Recompute(0.0)).join(pieces)
     joined = super(ReplayJointContext, joint).join(pieces)  # the joined parts, before the replay pass
     torch.testing.assert_close(joined.kv.keys, native.kv.keys[torch.tensor(layers)], rtol=0, atol=1e-5)
+
+
+def test_translator_for_a_gemma3_target_loads_after_saving(tiny_models, tiny_gemma3, tmp_path):
+    """Gemma3's per-layer layout fields are tuples in memory and lists in the saved JSON: still the same pair
+    (a real smollm2 -> gemma-3-270m translator was refused as 'another layout' after saving)."""
+    from mot_cag.translate.checkpoint import load_translator, save_translator
+    from mot_cag.translate.mot import build_translator
+
+    s = tiny_models["qwen2"]
+    assert isinstance(tiny_gemma3.layout.to_dict()["layer_types"], tuple)
+    path = save_translator(build_translator(s, tiny_gemma3, expert="mlp", experts=1, top_k=1, hidden=8),
+                           tmp_path / "tr")
+    tr = load_translator(path, s, tiny_gemma3)
+    assert tr.config.target == tiny_gemma3.name

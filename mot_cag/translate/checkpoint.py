@@ -113,7 +113,7 @@ def check_pair(config: TranslatorConfig, source=None, target=None, strict: bool 
     ):
         if lm is None:
             continue
-        have = lm.layout.to_dict()
+        have = json.loads(json.dumps(lm.layout.to_dict()))  # as saved: tuples become lists
         # Keys a translator saved before they existed (Gemma3's per-layer fields) read as unset (None).
         if any(have.get(k) != layout.get(k) for k in set(have) | set(layout)):
             raise TranslatorError(f"The {role} cache layout differs: {hint}")

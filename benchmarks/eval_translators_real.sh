@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Translated caches between the real models (issue [3]): for each pair, the held-out corpus (seed 80923, never
+# used to choose a translator setting) ingested by the source with chunks prefilled after its prompt head, 4
+# retrieved chunks per question, answered by the target in modes direct (reads the text), none, and the
+# translated store chunks with direct injection and with replay-joint (the default). Resumable: rerun to continue.
+#   LIMIT=24 bash benchmarks/eval_translators_real.sh
+set -u
+cd "$(dirname "$0")/.."
+B=.venv/bin
+OUT=${OUT:-runs/tr}
+TR=${TR:-$OUT/final}
+LIMIT=${LIMIT:-24}
+PAIRS=${PAIRS:-"smollm2-135m:qwen2.5-coder-0.5b smollm2-135m:gemma-3-270m qwen2.5-coder-0.5b:smollm2-135m gemma-3-270m:qwen2.5-coder-0.5b qwen2.5-coder-0.5b:gemma-3-270m gemma-3-270m:smollm2-135m"}
+CORPUS=$OUT/heldout
+[ -d $CORPUS ] || $B/mot-cag data corpus $CORPUS --docs 30 --questions 48 --seed 80923 --json > /dev/null
+for pair in $PAIRS; do
+  s=${pair%%:*}; t=${pair##*:}
+  start=$(date +%s)
+  $B/python benchmarks/chunk_variants.py --model $t --source $s --translator $TR/${s}__$t --corpus $CORPUS \
+    --store $OUT/store-heldout-$s --out $OUT/heldout-${s}__$t --limit $LIMIT \
+    --variants "direct,none,tr:direct,tr:replay-joint" --threads ${THREADS:-2} \
+    > $OUT/heldout-${s}__$t.md 2> $OUT/heldout-${s}__$t.log
+  echo "heldout $s -> $t $(( $(date +%s) - start )) s" >> $OUT/heldout-times.txt
+done
+echo finished >> $OUT/heldout-times.txt
