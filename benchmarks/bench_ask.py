@@ -6,10 +6,10 @@
 For each target and context length (retrieved tokens, in ~256-token chunks of synthetic documents), measures
 the median over repeats of: direct (target prefills the text, then the first answer token), translated cold
 (translate every chunk, assemble, first token) and translated warm (translated-chunk LRU hit), for each
-``--recompute`` ratio (cross-chunk repair after assembly, part of both cold and warm). When the target is the
-source model, its chunks come from a real store ingested beforehand (prefilled after the prompt head for real
-models, ``chunk_prefix`` auto) and cold loads them from disk: that is the stored-chunk path of ``mot-cag ask``.
-Otherwise source chunk caches are prefilled beforehand in memory. The question is read through the target's
+``--recompute`` ratio (cross-chunk repair after assembly, part of both cold and warm). The source's chunks come
+from a real store ingested beforehand (prefilled after the prompt head for real models, ``chunk_prefix`` auto)
+and cold loads them from disk: that is the path of ``mot-cag ask`` (stored chunks as they are when the target is
+the source model, translated otherwise). The question is read through the target's
 prompt format (chat template for real instruct models). Prints ratios against direct, the KV bytes of the
 assembled context and the process's peak RSS. Without a trained translator for a pair, an untrained one of the
 same architecture is timed (the cost does not depend on the weights) and the row says so.
@@ -52,8 +52,9 @@ def make_pieces(source, n_tokens: int, chunk_tokens: int = 256, seed: int = 0, w
     return pieces
 
 
-def store_pieces(source, pieces: list[Piece], root: str) -> list[Piece]:
-    """The same texts ingested into a store at ``root`` by ``source``; pieces that load their KV from it."""
+def store_pieces(source, pieces: list[Piece], root: str) -> tuple[list[Piece], tuple[int, ...]]:
+    """The same texts ingested into a store at ``root`` by ``source``; pieces that load their KV from it, and
+    the store's chunk prefix."""
     from pathlib import Path
 
     from mot_cag.ingest import ingest
@@ -70,7 +71,7 @@ def store_pieces(source, pieces: list[Piece], root: str) -> list[Piece]:
         for place in store.manifest.doc_chunks(doc.id):
             text = store.chunk_info(place.key).text
             out.append(Piece(text, key=place.key, source_kv=lambda k=place.key: store.load(k, dtype=torch.float32)))
-    return out
+    return out, store.config.prefix_ids
 
 
 def first_token_s(target, builder, pieces, suffix) -> tuple[float, int]:
@@ -133,16 +134,13 @@ def main() -> None:
             longest = max(longest, max(args.lengths))
         lengths = sorted({min(n, longest) for n in args.lengths})  # a too-long request runs at the longest
         for n in lengths:
-            same = source.fingerprint == target.fingerprint
-            pieces = make_pieces(source, n, chunk_tokens=min(256, longest // 4), seed=n, with_kv=not same)
+            pieces = make_pieces(source, n, chunk_tokens=min(256, longest // 4), seed=n, with_kv=False)
             while pieces and sum(len(encode(target.tokenizer, p.text)) for p in pieces) > longest:
                 pieces.pop()
-            tmp = None
-            if same:
-                import tempfile
+            import tempfile
 
-                tmp = tempfile.TemporaryDirectory()
-                pieces = store_pieces(source, pieces, tmp.name)
+            tmp = tempfile.TemporaryDirectory()
+            pieces, prefix = store_pieces(source, pieces, tmp.name)
             direct = DirectContext(target)
             first_token_s(target, direct, pieces, suffix)  # warm-up: allocator, kernels
             d = [first_token_s(target, direct, pieces, suffix)[0] for _ in range(args.repeats)]
@@ -152,7 +150,7 @@ def main() -> None:
             for ratio in args.recompute:
                 cache = LRU()
                 translated = translated_builder(source, target, path, args.injection, cache,
-                                                Recompute(ratio, args.policy))
+                                                Recompute(ratio, args.policy), chunk_prefix=prefix)
                 first_token_s(target, translated, pieces, suffix)
                 t, w = [], []
                 nbytes = 0
@@ -164,8 +162,7 @@ def main() -> None:
                 mt, mw = statistics.median(t), statistics.median(w)
                 print(f"{name:>20} {ntok:>6} {ratio:>5.2f} {md:>8.4f} {mt:>8.4f} {mw:>8.4f} {mt / md:>7.3f} "
                       f"{mw / md:>8.3f} {nbytes / 1e6:>7.2f}  {status}{past}", flush=True)
-            if tmp is not None:
-                tmp.cleanup()
+            tmp.cleanup()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this run: {peak:.0f} MB")
 

@@ -100,3 +100,21 @@ def test_other_real_models_pass_check_and_answer(name, tmp_path):
     if name == "qwen2.5-coder-0.5b" and "stinddaldale" not in answer.lower():
         pytest.xfail(f"stored-chunk answer {answer!r}: cross-chunk confusion not repaired yet (issue [2])")
     assert "stinddaldale" in answer.lower(), answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "gemma-3-270m"])
+def test_real_targets_answer_the_demo_question_from_translated_smollm2_chunks(name, corpus_store):
+    """The demo (issue [3]): SmolLM2's stored chunks translated by the bundled translator into another family's
+    cache space answer the demo question, with the default injection (replay-joint); the translated path is
+    the one used (its translate timing is counted) and the context is the target's own tokens."""
+    from mot_cag.models.registry import load_model
+    from mot_cag.pipeline.ask import Asker
+    from mot_cag.translate.checkpoint import find_translator
+
+    _need(name)
+    find_translator("smollm2-135m", name)  # bundled
+    asker = Asker(str(corpus_store), load_model(name), mode="translated")
+    res = asker.ask(QUESTION, top_k=4)
+    assert "stinddaldale" in res.answer.lower(), res.answer
+    assert res.timings["translate_s"] > 0 and res.context_tokens > 400
