@@ -4,6 +4,7 @@ retrieve and answer. Read from TOML (``pipelines/default.toml`` by default); com
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -16,6 +17,8 @@ else:  # Python 3.10: the same parser from PyPI (a declared dependency there)
 from mot_cag.errors import MotCagError
 
 DEFAULT_PIPELINE = Path("pipelines/default.toml")
+#: Environment variables that replace a pipeline's setting (a command-line option still wins).
+ENV_OVERRIDES = {"MOT_CAG_STORE": "store", "MOT_CAG_DEVICE": "device"}
 MODES = ("translated", "direct", "native-chunks", "none")
 INJECTIONS = ("auto", "direct", "replay", "replay-joint")
 RECOMPUTE_POLICIES = ("deviation", "start", "spread")
@@ -118,11 +121,21 @@ class PipelineConfig:
 
     @classmethod
     def from_file(cls, path: str | Path | None = None) -> PipelineConfig:
-        """Read a pipeline TOML; ``None`` reads ``pipelines/default.toml`` when present, else defaults.
+        """Read a pipeline TOML, then apply the environment (:data:`ENV_OVERRIDES`).
+
+        ``None`` reads ``$MOT_CAG_PIPELINE`` when set, else ``pipelines/default.toml`` when present, else the
+        defaults. ``MOT_CAG_STORE`` and ``MOT_CAG_DEVICE`` replace the file's ``store`` and ``device`` (command-line
+        options, applied afterwards with :meth:`override`, win over both).
 
         Raises:
             MotCagError: Missing file (when named), bad TOML, or unknown keys.
         """
+        return cls._read(path).override(**{key: os.environ.get(var) or None for var, key in ENV_OVERRIDES.items()})
+
+    @classmethod
+    def _read(cls, path: str | Path | None) -> PipelineConfig:
+        if path is None:
+            path = os.environ.get("MOT_CAG_PIPELINE") or None
         if path is None:
             if not DEFAULT_PIPELINE.is_file():
                 return cls()

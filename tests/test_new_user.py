@@ -7,7 +7,10 @@ import io
 import json
 import sys
 
+import pytest
 from clirun import run_cli
+
+from mot_cag.errors import MotCagError
 
 DOCS = {"ana.txt": "Ana Brell was born in Corvale. Ana Brell works as a baker.",
         "mira.txt": "Mira Hollen plays the violin. Mira Hollen is employed by Quorvex."}
@@ -73,3 +76,20 @@ def test_bundled_zoo_translators_load_for_the_demo():
     for name in ("opt-mini", "gpt2-mini"):
         target = load_model(name)
         assert load_translator(find_translator("qwen2-mini", name), source, target) is not None
+
+
+def test_environment_overrides_the_pipeline_and_options_override_the_environment(tmp_path, monkeypatch):
+    from mot_cag.config import PipelineConfig
+
+    pipe = tmp_path / "p.toml"
+    pipe.write_text('[pipeline]\nstore = "from-file"\ndevice = "cpu"\ntop_k = 3\n', encoding="utf-8")
+    monkeypatch.setenv("MOT_CAG_PIPELINE", str(pipe))
+    assert PipelineConfig.from_file().store == "from-file" and PipelineConfig.from_file().top_k == 3
+    monkeypatch.setenv("MOT_CAG_STORE", "from-env")
+    monkeypatch.setenv("MOT_CAG_DEVICE", "cuda")
+    cfg = PipelineConfig.from_file()
+    assert (cfg.store, cfg.device, cfg.top_k) == ("from-env", "cuda", 3)
+    assert cfg.override(store="from-option").store == "from-option"
+    monkeypatch.setenv("MOT_CAG_PIPELINE", str(tmp_path / "missing.toml"))
+    with pytest.raises(MotCagError, match="does not exist"):
+        PipelineConfig.from_file()
