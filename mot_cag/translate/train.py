@@ -505,6 +505,8 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
             train_translator(translator, source, target, req.train, log=log)
     except ValueError as e:
         raise MotCagError(str(e)) from None
+    if req.kind == "ridge":  # what it was fitted on (trained kinds record it in train_translator)
+        translator.config.training["config"] = asdict(req.train)
     heads = None
     if req.train.chunk_prefix == "prompt":
         from mot_cag.prompts import prompt_format
