@@ -93,3 +93,25 @@ def test_environment_overrides_the_pipeline_and_options_override_the_environment
     monkeypatch.setenv("MOT_CAG_PIPELINE", str(tmp_path / "missing.toml"))
     with pytest.raises(MotCagError, match="does not exist"):
         PipelineConfig.from_file()
+
+
+def test_stop_sequences_end_the_answer(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`ask --stop S` ends the answer before S, as OpenAI's `stop` does; without it the answer runs on."""
+    from mot_cag.ingest import ingest
+    from mot_cag.pipeline.ask import Asker
+
+    for name, text in DOCS.items():
+        (tmp_path / name).write_text(text)
+    store = tmp_path / "store"
+    ingest([tmp_path], store=store, source=str(tiny_dir / "tiny-qwen2"), embedder="hash")
+    asker = Asker(str(store), str(tiny_dir / "tiny-qwen2"), mode="direct", max_new_tokens=16)
+    full = asker.ask("Where was Ana Brell born?", top_k=1)
+    assert len(full.answer) >= 6, full.answer
+    stop = full.answer[len(full.answer) // 2:len(full.answer) // 2 + 2]
+    cut = asker.ask("Where was Ana Brell born?", top_k=1, stop=[stop])
+    assert cut.answer == full.answer[:full.answer.find(stop)].strip()
+    assert cut.extra["completion_tokens"] < full.extra["completion_tokens"]
+    code, out, _ = run_cli(monkeypatch, capsys, "ask", "Where was Ana Brell born?", "--store", str(store),
+                           "--target", str(tiny_dir / "tiny-qwen2"), "--mode", "direct", "--top-k", "1",
+                           "--max-new-tokens", "16", "--stop", stop, "--json")
+    assert code == 0 and json.loads(out)["answer"] == cut.answer

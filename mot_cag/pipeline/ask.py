@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +39,8 @@ class Asker:
     translated-chunk LRU warm across questions.
 
     Args:
-        store: Store folder.
-        target: Target model name.
+        store: Store folder, or an open :class:`~mot_cag.store.store.Store` (shared, e.g. by a server).
+        target: Target model name, or a loaded model (shared).
         mode: ``translated`` (default), ``direct``, ``native-chunks`` or ``none``.
         device: Torch device.
         translator: Translator folder (default: the one found for the pair).
@@ -52,13 +52,13 @@ class Asker:
             translator's own).
     """
 
-    def __init__(self, store: str, target: str | LoadedModel, mode: str = "translated",
+    def __init__(self, store, target: str | LoadedModel, mode: str = "translated",
                  device: torch.device | str = "cpu", translator: str | None = None, max_new_tokens: int = 48,
                  injection: str = "auto", recompute: Recompute | None = None,
                  replay_window: float | str = "auto"):
         if mode not in MODES:
             raise MotCagError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
-        self.store = open_store(store)
+        self.store = store if hasattr(store, "search") else open_store(store)
         self.mode = mode
         self.max_new_tokens = max_new_tokens
         self.target = target if isinstance(target, LoadedModel) else load_model(target, device=device)
@@ -78,7 +78,7 @@ class Asker:
             self.builder = make_builder(mode, self.target, recompute=recompute)
 
     def ask(self, question: str, top_k: int = 4, on_text: Callable[[str], None] | None = None,
-            hits: list | None = None) -> AskResult:
+            hits: list | None = None, stop: Sequence[str] = (), max_new_tokens: int | None = None) -> AskResult:
         """Answer ``question``; ``on_text`` receives the answer as it grows (streaming).
 
         Args:
@@ -87,6 +87,8 @@ class Asker:
             on_text: Streaming callback.
             hits: Already retrieved chunks (:class:`~mot_cag.store.store.Hit`), e.g. from a llama-index
                 retriever; skips retrieval.
+            stop: Stop sequences: the answer ends before the first one generated (a line break always ends it).
+            max_new_tokens: Generation budget of this question (default: the asker's).
         """
         if not question or not question.strip():
             raise MotCagError("The question is empty; ask something, e.g. mot-cag ask \"Where was Ana Brell born?\".")
@@ -107,7 +109,11 @@ class Asker:
         if ctx.tokens + len(suffix) + 8 > self.target.layout.max_positions:
             raise MotCagError(f"The retrieved context ({ctx.tokens} tokens) and question do not fit "
                               f"{self.target.name}'s {self.target.layout.max_positions} positions; lower --top-k.")
-        answer, ttft = self._generate(ctx.kv, suffix, t0, on_text)
+        stops = tuple(x for x in stop if x)
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if budget < 1:
+            raise MotCagError(f"The generation budget must be at least 1 token, got {budget}.")
+        answer, ttft, n_new, finish = self._generate(ctx.kv, suffix, t0, on_text, stops, budget)
         total = time.perf_counter() - t0
         # translate_s: translating the chunks; prefill_s: target passes over the context (direct, native
         # chunks, and the replay of replay injection).
@@ -115,7 +121,9 @@ class Asker:
                    "translate_s": ctx.timings.get("translate_s", 0.0), "prefill_s": ctx.timings.get("prefill_s", 0.0),
                    "ttft_s": ttft, "total_s": total}
         chunks = [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text} for h in hits]
-        return AskResult(answer, self.target.name, self.source_name, self.mode, chunks, timings, ctx.tokens)
+        return AskResult(answer, self.target.name, self.source_name, self.mode, chunks, timings, ctx.tokens,
+                         extra={"prompt_tokens": ctx.tokens + len(suffix), "completion_tokens": n_new,
+                                "finish_reason": finish, "hits": hits})
 
     def _check_top_k(self, top_k: int) -> None:
         if top_k <= 0:
@@ -126,27 +134,43 @@ class Asker:
                               f"{n_chunks} or fewer.")
 
     def _generate(self, context: kv.KVChunk | None, suffix: list[int], t0: float,
-                  on_text: Callable[[str], None] | None) -> tuple[str, float]:
+                  on_text: Callable[[str], None] | None, stops: tuple[str, ...] = (),
+                  budget: int = 48) -> tuple[str, float, int, str]:
         tok = self.target.tokenizer
         prompt = self.builder.prompt
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
+        ends = ("\n",) + stops
         ids: list[int] = []
         ttft = None
         shown = ""
 
+        def text_of(generated: list[int]) -> tuple[str, bool]:
+            """The answer so far, cut before the first stop sequence, and whether one was reached."""
+            text = tok.decode(generated, skip_special_tokens=True).lstrip("\n")
+            cut = min((i for i in (text.find(e) for e in ends) if i >= 0), default=-1)
+            return (text, False) if cut < 0 else (text[:cut], True)
+
         def stop(generated: list[int]) -> bool:
-            return "\n" in tok.decode(generated).lstrip("\n")
+            return text_of(generated)[1]
 
         for t in kv.greedy_tokens(self.target.model, as_tensor(suffix, self.target.device), context,
-                                  self.max_new_tokens, stop=stop, eos_token_id=eos):
+                                  budget, stop=stop, eos_token_id=eos):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             ids.append(t)
-            text = tok.decode(ids, skip_special_tokens=True).lstrip("\n").split("\n")[0]
-            if on_text is not None and text != shown:
+            text, ended = text_of(ids)
+            if not ended and stops:
+                # Hold back a tail that could be the start of a stop sequence, so nothing streamed is cut later.
+                hold = max((len(e) - 1 for e in stops), default=0)
+                text = text[:len(text) - hold] if hold else text
+            text = text.rstrip("\ufffd")  # a character whose bytes span tokens is streamed once complete
+            if on_text is not None and len(text) > len(shown) and text.startswith(shown):
                 on_text(text[len(shown):])
                 shown = text
-        text = tok.decode(ids, skip_special_tokens=True).lstrip("\n").split("\n")[0].strip()
+        text, ended = text_of(ids)
+        text = text.strip()
+        # "length" when the budget ran out before a stop sequence or the end-of-sequence token (OpenAI's term).
+        finish = "stop" if ended or len(ids) < budget or (ids and ids[-1] == eos) else "length"
         # Chat boilerplate ("The answer is: ...") is dropped for real models; the zoo's line is kept as is.
         answer = text if prompt.kind == "qa" else prompt.extract(text) or text
-        return answer, ttft if ttft is not None else time.perf_counter() - t0
+        return answer, ttft if ttft is not None else time.perf_counter() - t0, len(ids), finish
