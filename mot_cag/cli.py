@@ -537,7 +537,17 @@ def train_cmd(
 
 # ------------------------------------------------------------------------------------------- ingest / store
 
-StoreOpt = Annotated[str, typer.Option("--store", help="Store folder.")]
+StoreOpt = Annotated[str | None, typer.Option(
+    "--store", help="Store folder (default: the pipeline's store; MOT_CAG_STORE overrides it).")]
+
+
+def _store_path(store: str | None) -> str:
+    """``--store`` or, when absent, the default pipeline's store (with the environment's overrides)."""
+    if store:
+        return store
+    from mot_cag.config import PipelineConfig
+
+    return str(PipelineConfig.from_file(None).store)
 
 
 @app.command("ingest")
@@ -562,10 +572,14 @@ def ingest_cmd(
         help="Seconds to wait for another ingest writing the store (default: as long as it takes).")] = None,
     pipeline: Annotated[str | None, typer.Option(
         "--pipeline", help="Pipeline TOML (default pipelines/default.toml): store; a new store's settings.")] = None,
+    sync: Annotated[bool, typer.Option(
+        "--sync/--no-sync", help="Remove the store's documents under each given folder that are no longer there "
+                                 "(deleted or moved away), with the chunks only they used.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Prefill documents once with the source model and keep their KV caches, embedded and indexed.
-    Idempotent and resumable: unchanged files add nothing; an interrupted run continues where it stopped.
+    Idempotent and resumable: unchanged files add nothing; an interrupted run continues where it stopped;
+    re-ingesting a folder forgets files deleted from it (--no-sync keeps them).
     A new store takes its source, chunking, dtype and embedder from the options, else the pipeline; an existing
     store keeps its own."""
     from mot_cag.config import PipelineConfig
@@ -577,25 +591,26 @@ def ingest_cmd(
     with RichIngestProgress(err) as bar:
         res = ingest(paths, store or cfg.store, source, chunk_tokens=chunk_tokens, dtype=dtype, embedder=embedder,
                      device=pick_device(device or cfg.device), lock_timeout=wait, progress=bar, pipeline=cfg,
-                     chunk_prefix=chunk_prefix)
+                     chunk_prefix=chunk_prefix, sync=sync)
     if as_json:
         _print_json(res.to_json())
         return
     out.print(f"{res.documents} documents in {res.store} ({res.documents_unchanged} unchanged): "
               f"{res.chunks_added} chunks added, {res.chunks_skipped} already stored, {res.chunks_removed} removed; "
-              f"{res.tokens:,} tokens in {res.seconds:.1f} s; source {res.source}.", highlight=False)
+              + (f"{res.documents_removed} documents no longer there removed; " if res.documents_removed else "")
+              + f"{res.tokens:,} tokens in {res.seconds:.1f} s; source {res.source}.", highlight=False)
 
 
-store_app = typer.Typer(help="Inspect and check a KV store.", no_args_is_help=True)
+store_app = typer.Typer(help="Inspect, check and manage a KV store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
 
 
 @store_app.command("info")
-def store_info(store: StoreOpt = "stores/default", as_json: JsonOpt = False) -> None:
+def store_info(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     """Documents, chunks, tokens, bytes and source model of a store."""
     from mot_cag.store.store import Store
 
-    with Store.open(store) as st:
+    with Store.open(_store_path(store)) as st:
         info = st.info()
     if as_json:
         _print_json(info)
@@ -607,7 +622,7 @@ def store_info(store: StoreOpt = "stores/default", as_json: JsonOpt = False) -> 
 
 @store_app.command("verify")
 def store_verify(
-    store: StoreOpt = "stores/default",
+    store: StoreOpt = None,
     repair: Annotated[bool, typer.Option(
         "--repair", help="Drop damaged chunks (re-ingest recreates them), rebuild the manifest from chunk files "
         "when it is damaged, adopt orphan files, rebuild the index.")] = False,
@@ -617,7 +632,7 @@ def store_verify(
     damaged chunk."""
     from mot_cag.store.store import verify_store
 
-    report = verify_store(store, repair=repair)
+    report = verify_store(_store_path(store), repair=repair)
     if as_json:
         _print_json(report.to_dict())
     else:
@@ -630,6 +645,65 @@ def store_verify(
                   + ("OK" if report.ok else f"{sum(not p.fixed for p in report.problems)} problems"), highlight=False)
     if not report.ok:
         raise typer.Exit(1)
+
+
+@store_app.command("ls")
+def store_ls(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """The store's documents: path, chunks, tokens and size; then the totals and the source model."""
+    from mot_cag.store.manage import documents
+    from mot_cag.store.store import Store
+
+    path = _store_path(store)
+    docs = documents(path)
+    with Store.open(path) as st:
+        info = st.info()
+    if as_json:
+        _print_json({"store": path, "source": info["source"], "documents": docs})
+        return
+    table = _table("document", "chunks", "tokens", "bytes")
+    for d in docs:
+        table.add_row(d["path"], str(d["chunks"]), f"{d['tokens']:,}", f"{d['size']:,}")
+    out.print(table)
+    out.print(f"{info['documents']} documents, {info['chunks']} chunks, {info['tokens']:,} tokens stored "
+              f"({info['bytes']:,} bytes of KV); source {info['source']}.", highlight=False)
+
+
+def _removed_line(r, what: str) -> str:
+    return (f"{what}: {len(r.documents)} documents, {r.chunks} chunks ({r.chunk_files} chunk files, "
+            f"{r.bytes_freed:,} bytes), {r.records} document records, {r.temp_files} temporary files removed.")
+
+
+@store_app.command("rm")
+def store_rm(
+    paths: Annotated[list[str], typer.Argument(help="Documents to remove: files, or folders (every document "
+                                                    "under them), as they were ingested.")],
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove documents from the store, with the chunks no other document uses. Crash-safe: a store
+    interrupted mid-removal still verifies; `store gc` finishes the cleanup."""
+    from mot_cag.store.manage import remove_documents
+
+    r = remove_documents(_store_path(store), paths)
+    if as_json:
+        _print_json(r.to_json())
+        return
+    for d in r.documents:
+        out.print(f"removed {d}", highlight=False)
+    out.print(_removed_line(r, "rm"), highlight=False)
+
+
+@store_app.command("gc")
+def store_gc(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Delete what no document uses: chunks without a document, chunk files without a manifest row (an
+    interrupted ingest or removal), stale document records and temporary files; save the index."""
+    from mot_cag.store.manage import gc
+
+    r = gc(_store_path(store))
+    if as_json:
+        _print_json(r.to_json())
+        return
+    out.print(_removed_line(r, "gc"), highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------------- ask

@@ -79,7 +79,9 @@ class IngestResult:
         documents_unchanged: Of those, skipped because their content had not changed.
         chunks_added: Chunk files written (prefilled) by this run.
         chunks_skipped: Chunks of this run's documents already stored (unchanged documents, repeated text).
-        chunks_removed: Chunks deleted because only an old version of a changed document used them.
+        chunks_removed: Chunks deleted because only an old version of a changed document, or a removed
+            document, used them.
+        documents_removed: Documents removed because their file is gone from an ingested folder (sync).
         tokens: Source tokens over the chunks of this run's documents (repeats counted per occurrence).
         seconds: Wall time.
         skipped_files: Files not ingested and why.
@@ -92,17 +94,19 @@ class IngestResult:
     chunks_added: int = 0
     chunks_skipped: int = 0
     chunks_removed: int = 0
+    documents_removed: int = 0
     tokens: int = 0
     seconds: float = 0.0
     skipped_files: list[SkippedFile] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        """The cli.md keys, plus ``documents_unchanged``, ``chunks_removed`` and ``skipped_files``."""
+        """The cli.md keys, plus ``documents_unchanged``, ``chunks_removed``, ``documents_removed`` and
+        ``skipped_files``."""
         return {
             "documents": self.documents, "chunks_added": self.chunks_added, "chunks_skipped": self.chunks_skipped,
             "tokens": self.tokens, "store": self.store, "source": self.source, "seconds": round(self.seconds, 3),
             "documents_unchanged": self.documents_unchanged, "chunks_removed": self.chunks_removed,
-            "skipped_files": [s.to_dict() for s in self.skipped_files],
+            "documents_removed": self.documents_removed, "skipped_files": [s.to_dict() for s in self.skipped_files],
         }
 
 
@@ -130,6 +134,7 @@ def ingest(
     index_save_every_s: float = 60.0,
     pipeline: PipelineConfig | None = None,
     chunk_prefix: str | None = None,
+    sync: bool = True,
 ) -> IngestResult:
     """Ingest documents into a store, creating it when absent; resumable and idempotent.
 
@@ -149,6 +154,9 @@ def ingest(
             256 tokens, float16, all-MiniLM-L6-v2). An existing store ignores it and keeps what it recorded.
         chunk_prefix: What a new store's chunks are prefilled after (``auto``, ``prompt``, ``none``; default:
             the pipeline's, see :class:`~mot_cag.config.PipelineConfig`). An existing store keeps its own.
+        sync: For every folder in ``paths``, remove the store's documents under it that this run did not find
+            (deleted, moved away, or no longer readable text), with the chunks only they used. A moved file is
+            found at its new path and keeps its stored chunks (same content, no prefill).
 
     Raises:
         StoreError: Nothing readable to ingest; the store belongs to another source model, embedder or dtype;
@@ -173,7 +181,8 @@ def ingest(
     try:
         result = _ingest_locked(files, skipped, root, source, chunk_tokens, dtype, embedder, device, lock_timeout,
                                 progress, index_save_every_s,
-                                (pipeline or PipelineConfig()).override(chunk_prefix=chunk_prefix))
+                                (pipeline or PipelineConfig()).override(chunk_prefix=chunk_prefix),
+                                sync_roots=[p for p in paths if Path(p).is_dir()] if sync else [])
     finally:
         if fresh and not Store.exists(root):
             # Nothing was created (the model was missing, say): leave no empty store folder behind.
@@ -192,7 +201,8 @@ def ingest(
 def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Path, source: str | None,
                    chunk_tokens: int | None, dtype: str | None, embedder: str | None, device: torch.device | str,
                    lock_timeout: float | None, progress: IngestProgress | None,
-                   index_save_every_s: float, pipeline: PipelineConfig) -> IngestResult:
+                   index_save_every_s: float, pipeline: PipelineConfig,
+                   sync_roots: list[str] | None = None) -> IngestResult:
     """The part of :func:`ingest` that runs under the writer lock."""
     from mot_cag.models.layout import KVLayout
     from mot_cag.models.registry import fingerprint, load_config, load_model
@@ -232,11 +242,29 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
                 st.remove_temp_files()
                 st.sync_index(write=True)
                 run.all(files)
+                if sync_roots:
+                    _drop_missing(st, sync_roots, files, result, note)
             finally:
                 run.close()
                 # Also on Ctrl-C: what is committed gets indexed on disk now rather than on the next open.
                 st.save_index()
     return result
+
+
+def _drop_missing(st: Store, roots: list[str], files: list[SourceFile], result: IngestResult, note) -> None:
+    """Sync: remove documents under ``roots`` that this run did not find (see :func:`ingest`)."""
+    from mot_cag.store.manage import drop_documents, matching_documents
+
+    found = {str(f.path) for f in files}
+    gone = [d for d in matching_documents(st, roots) if d not in found]
+    if not gone:
+        return
+    removed = drop_documents(st, gone)
+    result.documents_removed += len(removed.documents)
+    result.chunks_removed += removed.chunks
+    for d in gone:
+        if note is not None:
+            note(f"removed {d}: no longer in the ingested folder")
 
 
 def chunk_prefix_for(source: str, kind: str, layout) -> tuple[str, tuple[int, ...]]:

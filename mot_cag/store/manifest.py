@@ -254,6 +254,12 @@ class Manifest:
         return [k for k in keys if self.db.execute(
             "SELECT 1 FROM doc_chunks WHERE chunk_key = ? LIMIT 1", (k,)).fetchone() is None]
 
+    def unreferenced_chunks(self) -> list[str]:
+        """Keys of every chunk that no document uses (garbage of removals and interrupted ingests)."""
+        return [r[0] for r in self.db.execute(
+            "SELECT key FROM chunks WHERE NOT EXISTS (SELECT 1 FROM doc_chunks d WHERE d.chunk_key = chunks.key) "
+            "ORDER BY id")]
+
     # --------------------------------------------------------------------------------------- documents
 
     def document(self, path: str) -> DocumentRow | None:

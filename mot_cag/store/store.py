@@ -796,13 +796,14 @@ class Store:
 
         With ``durable=False`` it becomes durable at the next :meth:`sync_files`.
         """
-        record = self._doc_record(path)
+        record = self.document_record(path)
         data = json.dumps({"path": path, "sha256": sha256, "size": size, "mtime_ns": mtime_ns, "tokens": tokens,
                            "chunks": [asdict(c) for c in chunks]}, indent=1, sort_keys=True).encode()
         chunkfile.write_atomic(record, data, durable=durable)
         return record
 
-    def _doc_record(self, path: str) -> Path:
+    def document_record(self, path: str) -> Path:
+        """Where the JSON record of document ``path`` lives (what :func:`rebuild_manifest` reads)."""
         return self.root / DOCS_DIR / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
 
     def collect(self, keys: Iterable[str]) -> int:
