@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mot_cag.config import CHUNK_PREFIXES, INJECTIONS, MODES, RECOMPUTE_POLICIES
 from mot_cag.errors import MotCagError
 
 app = typer.Typer(
@@ -48,18 +49,43 @@ def _table(*columns: str) -> Table:
     return Table(*columns, box=None, show_edge=False, pad_edge=False, header_style="")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (see the README).")]
+
+
+def _choices(values) -> str:
+    """A metavar that shows an option's choices in --help."""
+    return "[" + "|".join(values) + "]"
+
+
+def _pipeline_default(key: str) -> str:
+    """The default pipeline's value of ``key``, for --help ("default: the pipeline's, now X")."""
+    from mot_cag.config import PipelineConfig
+
+    try:
+        value = getattr(PipelineConfig.from_file(None), key)
+    except MotCagError:
+        value = getattr(PipelineConfig(), key)
+    return f"default: the pipeline's, now {value}"
+
+
+MODE_CHOICES = _choices(MODES)
 RecomputeOpt = Annotated[str | None, typer.Option(
+    metavar="[auto|0-1]",
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
          "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = the measured "
          "default, now 0 (docs/chunk-caches.md: 0.1 brought KL closer to direct but not the answers).")]
 RecomputePolicyOpt = Annotated[str | None, typer.Option(
+    metavar=_choices(RECOMPUTE_POLICIES),
     help="Which tokens --recompute picks: deviation (largest layer-1 K/V deviation from a partial single pass), "
-         "start (first tokens of each chunk) or spread (evenly spaced).")]
+         "start (first tokens of each chunk) or spread (evenly spaced); " + _pipeline_default("recompute_policy")
+         + ".")]
 InjectionOpt = Annotated[str | None, typer.Option(
+    metavar=_choices(INJECTIONS),
     help="How translated caches enter the target: auto (= replay-joint), direct (translated K/V are the cache; "
          "fastest), replay (the target re-runs each chunk with translated K/V in its window layers) or "
-         "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention).")]
+         "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention); "
+         + _pipeline_default("injection") + ".")]
 WindowOpt = Annotated[str | None, typer.Option(
+    metavar="[auto|0-1]",
     help="replay-joint: share of the target's layers, from the top, that take translated K/V (0-1]; the target "
          "computes the layers below itself, about (1 - share) of a prefill. auto = the translator's own window.")]
 
@@ -377,8 +403,8 @@ def eval_cmd(
     target: Annotated[str, typer.Option(help="The answering model.")],
     source: Annotated[str | None, typer.Option(help="The model whose caches are translated.")] = None,
     mode: Annotated[list[str] | None, typer.Option(
-        help="translated, direct, native-chunks, none (repeatable; default: all with --source, else "
-             "direct and none).")] = None,
+        metavar=MODE_CHOICES,
+        help="Context modes (repeatable; default: all with --source, else direct and none).")] = None,
     store: Annotated[str | None, typer.Option(help="Retrieve contexts from this store (long-context CAG).")] = None,
     top_k: Annotated[int, typer.Option(help="Chunks retrieved per question with --store.")] = 4,
     limit: Annotated[int | None, typer.Option(help="Evaluate at most N examples.")] = None,
@@ -398,8 +424,11 @@ def eval_cmd(
     from dataclasses import asdict
 
     from mot_cag.config import parse_window
-    from mot_cag.evaluation.report import render_table, save_plot
+    from mot_cag.evaluation.report import check_plot, render_table, save_plot
     from mot_cag.evaluation.run import EvalRequest, run_eval
+
+    if plot:
+        check_plot(plot)  # before the evaluation, not after it
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
                       limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto",
@@ -411,12 +440,15 @@ def eval_cmd(
         with open(details, "w", encoding="utf-8") as fh:
             for r in results:
                 fh.write(json.dumps(asdict(r)) + "\n")
-    if plot:
-        save_plot(report, plot)
     if as_json:
         _print_json(report)
     else:
         out.print(render_table(report))
+    if plot:  # after the results are printed: a failing plot loses nothing
+        try:
+            save_plot(report, plot)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise MotCagError(f"The plot could not be saved to {plot} ({e}); the results are above.") from None
 
 
 def _progress(enabled: bool):
@@ -475,9 +507,12 @@ def train_cmd(
     experts: Annotated[int, typer.Option(help="Experts K per mixture.")] = 4,
     top_k: Annotated[int, typer.Option("--top-k", help="Experts mixed per token.")] = 2,
     out_dir: Annotated[str | None, typer.Option("--out", help="Output folder (default: user translator dir).")] = None,
-    kind: Annotated[str, typer.Option(help="mot, single (K=1) or ridge (closed form, no training).")] = "mot",
-    mode: Annotated[str, typer.Option(help="Injection: direct (every layer) or replay (window).")] = "direct",
-    expert: Annotated[str, typer.Option(help="Expert kind: attn (paper) or mlp (light).")] = "attn",
+    kind: Annotated[str, typer.Option(metavar=_choices(("mot", "single", "ridge")),
+                                      help="mot, single (K=1) or ridge (closed form, no training).")] = "mot",
+    mode: Annotated[str, typer.Option(metavar=_choices(("direct", "replay")),
+                                      help="Injection: direct (every layer) or replay (window).")] = "direct",
+    expert: Annotated[str, typer.Option(metavar=_choices(("attn", "mlp")),
+                                        help="Expert kind: attn (paper) or mlp (light).")] = "attn",
     hidden: Annotated[int, typer.Option(help="Expert hidden width.")] = 128,
     window_start: Annotated[int | None, typer.Option(help="First injected target layer (replay).")] = None,
     window_width: Annotated[int | None, typer.Option(help="Injected layers (replay).")] = None,
@@ -492,12 +527,14 @@ def train_cmd(
     ce: Annotated[float, typer.Option(help="Weight of the prompt-LM cross-entropy (paper: 1).")] = 0.0,
     ccl: Annotated[float, typer.Option(help="Weight of the Context Correction Loss.")] = 1.0,
     kl: Annotated[float, typer.Option(help="Weight of KL to the native target (paper: 0).")] = 5.0,
-    init: Annotated[str, typer.Option(help="ridge (closed-form start) or identity.")] = "ridge",
+    init: Annotated[str, typer.Option(metavar=_choices(("ridge", "identity")),
+                                      help="ridge (closed-form start) or identity.")] = "ridge",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     eval_examples: Annotated[int, typer.Option("--eval", help="Held-out pairs scored after training.")] = 16,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     half: Annotated[bool, typer.Option("--half", help="Store the weights as float16 (half the size).")] = False,
     chunk_prefix: Annotated[str, typer.Option(
+        metavar=_choices(CHUNK_PREFIXES),
         help="auto, prompt or none: train on chunks prefilled after each model's prompt head, as prefixed stores "
              "hold them (auto: when both models make prefixed stores).")] = "auto",
     calibration_tokens: Annotated[int, typer.Option(help="Tokens that fit normalisation (and the ridge).")] = 4096,
@@ -559,11 +596,13 @@ def ingest_cmd(
     chunk_tokens: Annotated[int | None, typer.Option(
         help="Chunk size in source tokens (default: the store's, else the pipeline's).")] = None,
     dtype: Annotated[str | None, typer.Option(
-        help="KV dtype of a new store: float16, bfloat16, float32 (default from the pipeline).")] = None,
+        metavar=_choices(("float16", "bfloat16", "float32")),
+        help="KV dtype of a new store (" + _pipeline_default("kv_dtype") + ").")] = None,
     embedder: Annotated[str | None, typer.Option(
         help="Embedder of a new store: all-MiniLM-L6-v2, hash, or a sentence-transformers folder (default from the "
              "pipeline).")] = None,
     chunk_prefix: Annotated[str | None, typer.Option(
+        metavar=_choices(CHUNK_PREFIXES),
         help="What a new store's chunks are prefilled after: prompt (the source's prompt head, so chunks look as "
              "they are read), none (each alone), auto (prompt for real RoPE models, none for the zoo); default "
              "from the pipeline.")] = None,
@@ -708,25 +747,32 @@ def store_gc(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
 
 # ---------------------------------------------------------------------------------------------------- ask
 
-PipelineOpt = Annotated[str | None, typer.Option("--pipeline", help="Pipeline TOML (default pipelines/default.toml).")]
+PipelineOpt = Annotated[str | None, typer.Option(
+    "--pipeline", help="Pipeline TOML (default: $MOT_CAG_PIPELINE, else pipelines/default.toml when present, else "
+                       "the packaged defaults).")]
 
 
 @app.command("ask")
 def ask_cmd(
     question: Annotated[str, typer.Argument(help="The question; - reads it from standard input.")],
-    target: Annotated[str | None, typer.Option(help="Model that answers (zoo name, alias, HF id, folder).")] = None,
-    store: Annotated[str | None, typer.Option(help="Store folder (default from the pipeline).")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve.")] = None,
-    mode: Annotated[str | None, typer.Option(help="translated, direct, native-chunks or none.")] = None,
+    target: Annotated[str | None, typer.Option(help="Model that answers (zoo name, alias, HF id, folder); default: "
+                                                    "the pipeline's first target.")] = None,
+    store: Annotated[str | None, typer.Option(help="Store folder (" + _pipeline_default("store") + ").")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Chunks to retrieve (" + _pipeline_default("top_k") + ").")] = None,
+    mode: Annotated[str | None, typer.Option(metavar=MODE_CHOICES, help="What the target reads: translated caches, "
+                                             "the text (direct), its own chunk caches (native-chunks) or nothing "
+                                             "(none); " + _pipeline_default("mode") + ".")] = None,
     injection: InjectionOpt = None,
     replay_window: WindowOpt = None,
     recompute: RecomputeOpt = None,
     recompute_policy: RecomputePolicyOpt = None,
     translator: Annotated[str | None, typer.Option(help="Translator folder (default: found for the pair).")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Generation budget.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        help="Generation budget in tokens (" + _pipeline_default("max_new_tokens") + ").")] = None,
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", help="Stop sequence (repeatable): the answer ends before it. A line break always ends it.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda, or auto.")] = None,
+    device: Annotated[str | None, typer.Option(metavar="[auto|cpu|cuda]",
+                                               help=_pipeline_default("device") + ".")] = None,
     pipeline: PipelineOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -778,8 +824,8 @@ def serve_cmd(
                                                    "request may name another in its mot_cag field.")] = None,
     target: Annotated[list[str] | None, typer.Option(
         "--target", help="Target to load before serving (repeatable); others load on their first request.")] = None,
-    mode: Annotated[str | None, typer.Option(help="Default context mode: translated, direct, native-chunks or "
-                                                  "none (default from the pipeline).")] = None,
+    mode: Annotated[str | None, typer.Option(metavar=MODE_CHOICES, help="Default context mode of requests ("
+                                             + _pipeline_default("mode") + ").")] = None,
     injection: InjectionOpt = None,
     parallel: Annotated[int, typer.Option(help="Answers generated at once (on a CPU, 1: parallel answers "
                                                "share the same cores).")] = 1,
@@ -813,7 +859,7 @@ def main() -> None:
     try:
         app()
     except MotCagError as e:
-        err.print(f"error: {e}", highlight=False, soft_wrap=True)
+        err.print(f"error: {e}", highlight=False, soft_wrap=True, markup=False)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted", highlight=False)

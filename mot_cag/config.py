@@ -16,6 +16,7 @@ else:  # Python 3.10: the same parser from PyPI (a declared dependency there)
 
 from mot_cag.errors import MotCagError
 
+#: The pipeline of a project checkout (relative to the current folder); used when present.
 DEFAULT_PIPELINE = Path("pipelines/default.toml")
 #: Environment variables that replace a pipeline's setting (a command-line option still wins).
 ENV_OVERRIDES = {"MOT_CAG_STORE": "store", "MOT_CAG_DEVICE": "device"}
@@ -40,6 +41,13 @@ def parse_window(value: float | str | None) -> float | str:
         raise MotCagError(f"The replay window must be auto or a share of the target's layers in (0, 1] (e.g. 0.5), "
                           f"got {value!r}.")
     return share
+
+
+def user_store() -> Path:
+    """The default store outside a project checkout: ``$XDG_DATA_HOME/mot-cag/stores/default`` (XDG_DATA_HOME
+    defaults to ``~/.local/share``)."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "mot-cag" / "stores" / "default"
 
 
 @dataclass
@@ -123,8 +131,10 @@ class PipelineConfig:
     def from_file(cls, path: str | Path | None = None) -> PipelineConfig:
         """Read a pipeline TOML, then apply the environment (:data:`ENV_OVERRIDES`).
 
-        ``None`` reads ``$MOT_CAG_PIPELINE`` when set, else ``pipelines/default.toml`` when present, else the
-        defaults. ``MOT_CAG_STORE`` and ``MOT_CAG_DEVICE`` replace the file's ``store`` and ``device`` (command-line
+        ``None`` reads ``$MOT_CAG_PIPELINE`` when set, else ``pipelines/default.toml`` when present (a project
+        checkout), else the packaged defaults of this class with the store in the user's data folder
+        (:func:`user_store`), so a command run from any folder finds the same store. ``MOT_CAG_STORE`` and
+        ``MOT_CAG_DEVICE`` replace the file's ``store`` and ``device`` (command-line
         options, applied afterwards with :meth:`override`, win over both).
 
         Raises:
@@ -138,7 +148,7 @@ class PipelineConfig:
             path = os.environ.get("MOT_CAG_PIPELINE") or None
         if path is None:
             if not DEFAULT_PIPELINE.is_file():
-                return cls()
+                return cls(store=str(user_store()))
             path = DEFAULT_PIPELINE
         path = Path(path)
         if not path.is_file():

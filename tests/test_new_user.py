@@ -115,3 +115,53 @@ def test_stop_sequences_end_the_answer(tiny_dir, tmp_path, monkeypatch, capsys):
                            "--target", str(tiny_dir / "tiny-qwen2"), "--mode", "direct", "--top-k", "1",
                            "--max-new-tokens", "16", "--stop", stop, "--json")
     assert code == 0 and json.loads(out)["answer"] == cut.answer
+
+
+def test_eval_plot_without_matplotlib_fails_before_any_work(tiny_dir, monkeypatch, capsys):
+    import mot_cag.evaluation.run as run
+
+    called = []
+    monkeypatch.setattr(run, "run_eval", lambda *a, **kw: called.append(1))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, _, err = run_cli(monkeypatch, capsys, "eval", "--dataset", "synthetic:qa", "--target",
+                           str(tiny_dir / "tiny-qwen2"), "--limit", "2", "--plot", "scores.png")
+    assert code != 0 and "mot-cag[plot]" in err and not called
+
+
+def test_eval_results_are_printed_when_the_plot_fails(tiny_dir, tmp_path, monkeypatch, capsys):
+    import mot_cag.evaluation.report as report
+
+    monkeypatch.setattr(report, "check_plot", lambda path: None)
+
+    def broken(rep, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report, "save_plot", broken)
+    code, out, err = run_cli(monkeypatch, capsys, "eval", "--dataset", "synthetic:qa", "--target",
+                             str(tiny_dir / "tiny-qwen2"), "--mode", "direct", "--limit", "2", "--device", "cpu",
+                             "--json", "--plot", str(tmp_path / "p.png"))
+    assert code != 0 and "disk full" in err and "results are above" in err
+    assert json.loads(out)["n"] == 2  # the evaluation's results were printed before the plot failed
+
+
+def test_help_shows_choices_and_defaults(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(monkeypatch, capsys, "ask", "--help")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "[translated|direct|native-chunks|none]" in text and "[auto|direct|replay|replay-joint]" in text
+    assert "default: the pipeline's, now 4" in text  # --top-k
+    code, out, _ = run_cli(monkeypatch, capsys, "ingest", "--help")
+    assert "[float16|bfloat16|float32]" in " ".join(out.split())
+
+
+def test_default_store_outside_a_checkout_is_the_users_not_the_folders(tmp_path, monkeypatch):
+    from mot_cag.config import PipelineConfig
+
+    monkeypatch.chdir(tmp_path)  # no pipelines/default.toml here
+    monkeypatch.delenv("MOT_CAG_PIPELINE", raising=False)
+    monkeypatch.delenv("MOT_CAG_STORE", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert PipelineConfig.from_file(None).store == str(tmp_path / "data" / "mot-cag" / "stores" / "default")
+    monkeypatch.setenv("MOT_CAG_STORE", str(tmp_path / "mine"))
+    assert PipelineConfig.from_file(None).store == str(tmp_path / "mine")

@@ -25,8 +25,19 @@ def render_table(report: dict) -> Table:
     return table
 
 
-def save_plot(report: dict, path: str) -> None:
-    """Bar chart of the bounded scores per mode (matplotlib, PNG)."""
+def check_plot(path: str) -> None:
+    """Fail before any work when ``--plot PATH`` cannot be written: matplotlib missing or no such folder."""
+    from pathlib import Path
+
+    from mot_cag.errors import MotCagError
+
+    _pyplot()
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise MotCagError(f"--plot {path}: folder {folder} does not exist.")
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -35,7 +46,13 @@ def save_plot(report: dict, path: str) -> None:
     except ImportError:
         from mot_cag.errors import MotCagError
 
-        raise MotCagError("--plot needs matplotlib: pip install matplotlib.") from None
+        raise MotCagError("--plot needs matplotlib: pip install 'mot-cag[plot]'.") from None
+    return plt
+
+
+def save_plot(report: dict, path: str) -> None:
+    """Bar chart of the bounded scores per mode (matplotlib, PNG)."""
+    plt = _pyplot()
     metrics = ["exact_match", "f1", "accuracy", "token_accuracy"]
     modes = list(report["modes"])
     fig, ax = plt.subplots(figsize=(7, 3.5))
