@@ -165,3 +165,25 @@ def test_default_store_outside_a_checkout_is_the_users_not_the_folders(tmp_path,
     assert PipelineConfig.from_file(None).store == str(tmp_path / "data" / "mot-cag" / "stores" / "default")
     monkeypatch.setenv("MOT_CAG_STORE", str(tmp_path / "mine"))
     assert PipelineConfig.from_file(None).store == str(tmp_path / "mine")
+
+
+def test_piece_cache_is_bounded_by_bytes_not_entries(monkeypatch):
+    import torch
+
+    from mot_cag.models.cache import KVChunk
+    from mot_cag.pipeline.context import LRU
+
+    def chunk(tokens: int) -> KVChunk:  # float32: 2 * 2 * 2 * tokens * 8 * 4 bytes = 256 * tokens
+        return KVChunk(torch.zeros(2, 2, tokens, 8), torch.zeros(2, 2, tokens, 8))
+
+    lru = LRU(max_bytes=256 * 100)
+    for i in range(3):
+        lru.get_or(f"big{i}", lambda: chunk(40))  # 10 KiB each: the third pushes the first out
+    assert list(lru) == ["big1", "big2"] and lru.bytes == 2 * 256 * 40
+    for i in range(50):
+        lru.get_or(f"small{i}", lambda: chunk(1))  # many small entries fit where few large ones do
+    assert lru.bytes <= 256 * 100 and sum(k.startswith("small") for k in lru) == 50
+    huge = lru.get_or("huge", lambda: chunk(200))  # larger than the bound: returned, not kept
+    assert huge.length == 200 and "huge" not in lru
+    monkeypatch.setenv("MOT_CAG_CACHE_MB", "2")
+    assert LRU().max_bytes == 2 << 20

@@ -18,6 +18,7 @@ scores differ only by how the cache was obtained:
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -136,12 +137,36 @@ class TargetContext:
     piece_starts: list[int] = field(default_factory=list)  # where each separately made part begins (BOS + first: 0)
 
 
-class LRU(OrderedDict):
-    """A small least-recently-used map (translated or native chunks per target)."""
+#: Default bound of a builder's cache of made pieces: with real models one chunk's KV is megabytes, so the bound
+#: is in bytes, not entries. ``MOT_CAG_CACHE_MB`` changes it.
+DEFAULT_CACHE_BYTES = 1 << 30
 
-    def __init__(self, capacity: int = 256):
+
+def nbytes(value) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, a KV chunk or other object holding tensors, or a tuple)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(nbytes(v) for v in value)
+    if hasattr(value, "__dict__"):
+        return sum(nbytes(v) for v in vars(value).values())
+    return 0
+
+
+class LRU(OrderedDict):
+    """A least-recently-used map of made pieces (translated or native chunks of one target), bounded by the
+    bytes of the tensors it holds: the least recently used go first once the total passes ``max_bytes``
+    (default :data:`DEFAULT_CACHE_BYTES`, or ``$MOT_CAG_CACHE_MB``). One value larger than the bound is not kept.
+    """
+
+    def __init__(self, max_bytes: int | None = None):
         super().__init__()
-        self.capacity = capacity
+        if max_bytes is None:
+            env = os.environ.get("MOT_CAG_CACHE_MB")
+            max_bytes = int(float(env) * (1 << 20)) if env else DEFAULT_CACHE_BYTES
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._sizes: dict = {}
         self.hits = 0
         self.misses = 0
 
@@ -152,9 +177,15 @@ class LRU(OrderedDict):
             return self[key]
         self.misses += 1
         value = make()
+        size = nbytes(value)
+        if size > self.max_bytes:
+            return value
         self[key] = value
-        if len(self) > self.capacity:
-            self.popitem(last=False)
+        self._sizes[key] = size
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            old, _ = self.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
         return value
 
 
