@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from mot_cag.models.registry import LoadedModel, load_model
 from mot_cag.pipeline.context import MODES, ContextBuilder, Piece, Recompute, make_builder
 from mot_cag.pipeline.retrieval import hits_to_pieces, open_store
 from mot_cag.prompts import as_tensor, encode
+
+_SENTENCE_END = re.compile(r"\.(?=\s)")
 
 
 @dataclass
@@ -145,10 +148,17 @@ class Asker:
         shown = ""
 
         def text_of(generated: list[int]) -> tuple[str, bool]:
-            """The answer so far, cut before the first stop sequence, and whether one was reached."""
+            """The answer so far and whether it is complete: cut before the first stop sequence or line
+            break, and after its first sentence (the answer to a short question; eval stops there too)."""
             text = tok.decode(generated, skip_special_tokens=True).lstrip("\n")
             cut = min((i for i in (text.find(e) for e in ends) if i >= 0), default=-1)
-            return (text, False) if cut < 0 else (text[:cut], True)
+            ended = cut >= 0
+            if ended:
+                text = text[:cut]
+            m = _SENTENCE_END.search(text)
+            if m:
+                return text[:m.end()], True
+            return text, ended or prompt.finished(text)
 
         def stop(generated: list[int]) -> bool:
             return text_of(generated)[1]
@@ -171,6 +181,6 @@ class Asker:
         text = text.strip()
         # "length" when the budget ran out before a stop sequence or the end-of-sequence token (OpenAI's term).
         finish = "stop" if ended or len(ids) < budget or (ids and ids[-1] == eos) else "length"
-        # Chat boilerplate ("The answer is: ...") is dropped for real models; the zoo's line is kept as is.
+        # Chat boilerplate ("The answer is: ...") is dropped for real models; the zoo's sentence is kept as is.
         answer = text if prompt.kind == "qa" else prompt.extract(text) or text
         return answer, ttft if ttft is not None else time.perf_counter() - t0, len(ids), finish
