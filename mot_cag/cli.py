@@ -669,7 +669,7 @@ def store_verify(
 ) -> None:
     """Check every chunk file against its checksums and the index against the manifest; exit 1 naming each
     damaged chunk."""
-    from mot_cag.store.store import verify_store
+    from mot_cag.store.verify import verify_store
 
     report = verify_store(_store_path(store), repair=repair)
     if as_json:

@@ -10,7 +10,7 @@ Crash safety comes from the order of writes, not from one big transaction:
 
 Killed anywhere, the store still opens and verifies: a file without a row is adopted by the next run (no
 prefill), a row without an embedding is embedded on the next open, a document without a row is read again
-and finds its finished chunks already there. One writer at a time (:class:`~mot_cag.store.store.WriterLock`);
+and finds its finished chunks already there. One writer at a time (:class:`~mot_cag.store.lock.WriterLock`);
 a second ingest waits for the first.
 
 Unchanged files (same size and mtime, or same sha256) are skipped without tokenizing; a changed file gets a
@@ -35,18 +35,12 @@ from mot_cag.errors import StoreError
 from mot_cag.models.cache import KVChunk, Positioner, prefill, prefill_after
 from mot_cag.store.chunker import Chunker
 from mot_cag.store.embed import canonical_name, make_embedder
+from mot_cag.store.format import DEFAULT_STORE, LOCK_FILE, StoreConfig, StoreSource, chunk_key
+from mot_cag.store.lock import WriterLock
 from mot_cag.store.manifest import DocChunk
 from mot_cag.store.reader import SkippedFile, SourceFile, discover, file_sha256, read_blocks
-from mot_cag.store.store import (
-    DEFAULT_STORE,
-    LOCK_FILE,
-    Store,
-    StoreConfig,
-    StoreSource,
-    WriterLock,
-    WrittenChunk,
-    chunk_key,
-)
+from mot_cag.store.store import Store
+from mot_cag.store.writing import WrittenChunk
 
 if TYPE_CHECKING:
     from mot_cag.models.registry import LoadedModel

@@ -93,7 +93,8 @@ def test_new_store_of_a_chat_model_prefills_chunks_after_its_prompt_head(chat_mo
 
 
 def test_the_zoo_format_keeps_prefix_free_chunks_and_the_choice_is_explicit(tiny_dir, chat_model_dir, docs, tmp_path):
-    from mot_cag.store.store import Store, chunk_key
+    from mot_cag.store.format import chunk_key
+    from mot_cag.store.store import Store
 
     _ingest(docs, tmp_path / "zoo", str(tiny_dir / "tiny-qwen2"))
     assert Store.read_config(tmp_path / "zoo").chunk_prefix == "none"
@@ -161,7 +162,9 @@ def test_recompute_auto_resolves_per_context_kind(chat_lm, tiny_models):
 
 
 def test_prefixed_store_verifies_repairs_and_refuses_foreign_chunks(chat_model_dir, docs, tmp_path):
-    from mot_cag.store.store import STORE_FORMAT_PREFIXED, Store, StoreConfig, check_chunk_file, rebuild_manifest
+    from mot_cag.store.format import STORE_FORMAT_PREFIXED, StoreConfig
+    from mot_cag.store.store import Store
+    from mot_cag.store.verify import check_chunk_file, rebuild_manifest
 
     store = tmp_path / "store"
     _ingest(docs, store, str(chat_model_dir))

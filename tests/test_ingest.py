@@ -16,7 +16,8 @@ from mot_cag.errors import StoreError
 from mot_cag.ingest import ingest
 from mot_cag.models import cache as kv
 from mot_cag.store import chunkfile
-from mot_cag.store.store import Store, verify_store
+from mot_cag.store.store import Store
+from mot_cag.store.verify import verify_store
 
 PEOPLE = [("Ana Brell", "Corvale", "green", "baker"), ("Tomas Reddick", "Pastowe", "blue", "pilot"),
           ("Mira Hollen", "Ulmsted", "red", "violinist"), ("Jorin Vastel", "Quenby", "amber", "miner"),

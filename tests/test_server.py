@@ -192,7 +192,7 @@ def _free_port() -> int:
 
 def test_killed_server_leaves_the_store_intact(store, target, tmp_path):
     """SIGKILL while a request is being answered: the store still verifies and answers the same."""
-    from mot_cag.store.store import verify_store
+    from mot_cag.store.verify import verify_store
 
     port = _free_port()
     pipe = tmp_path / "p.toml"

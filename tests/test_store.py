@@ -9,10 +9,10 @@ import pytest
 
 from mot_cag.store.chunker import Chunker, split_pieces
 from mot_cag.store.embed import HashEmbedder, canonical_name, make_embedder, minilm_path
+from mot_cag.store.format import chunk_key
 from mot_cag.store.index import VectorIndex
 from mot_cag.store.manifest import Manifest
 from mot_cag.store.reader import discover, read_blocks
-from mot_cag.store.store import chunk_key
 
 TEXT = (
     "Ana Brell was born in Corvale. The favorite color of Ana Brell is green.\n"

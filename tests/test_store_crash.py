@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from mot_cag.ingest import ingest
-from mot_cag.store.store import Store, verify_store
+from mot_cag.store.store import Store
+from mot_cag.store.verify import verify_store
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_ingest import keyset, write_corpus  # noqa: E402

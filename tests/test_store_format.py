@@ -18,7 +18,8 @@ from mot_cag.ingest import ingest
 from mot_cag.models.cache import KVChunk
 from mot_cag.models.layout import KVLayout
 from mot_cag.store import chunkfile
-from mot_cag.store.store import Store, check_chunk_file, verify_store
+from mot_cag.store.store import Store
+from mot_cag.store.verify import check_chunk_file, verify_store
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_ingest import keyset, write_corpus  # noqa: E402

@@ -54,7 +54,7 @@ def _chunk_files(store) -> int:
 
 
 def test_reingest_forgets_a_deleted_file(tiny_dir, folder, tmp_path):
-    from mot_cag.store.store import verify_store
+    from mot_cag.store.verify import verify_store
 
     store = tmp_path / "s"
     _ingest(tiny_dir, folder, store)
@@ -85,7 +85,7 @@ def test_moved_file_keeps_its_chunks_and_no_sync_keeps_deleted(tiny_dir, folder,
 
 
 def test_store_rm_gc_verify_round_trip(tiny_dir, folder, tmp_path, monkeypatch, capsys):
-    from mot_cag.store.store import verify_store
+    from mot_cag.store.verify import verify_store
 
     store = tmp_path / "s"
     _ingest(tiny_dir, folder, store)
@@ -146,7 +146,7 @@ from mot_cag.store import manage
 @pytest.mark.parametrize("verb", ["rm", "gc"])
 def test_sigkill_mid_rm_or_gc_leaves_a_store_that_verifies(tiny_dir, folder, tmp_path, verb):
     from mot_cag.store.manage import gc, remove_documents
-    from mot_cag.store.store import verify_store
+    from mot_cag.store.verify import verify_store
 
     store = tmp_path / "s"
     (folder / "long.txt").write_text(" ".join(f"Person {i} lives in town {i}." for i in range(40)))

@@ -88,7 +88,7 @@ class Asker:
             question: The question.
             top_k: Chunks to retrieve.
             on_text: Streaming callback.
-            hits: Already retrieved chunks (:class:`~mot_cag.store.store.Hit`), e.g. from a llama-index
+            hits: Already retrieved chunks (:class:`~mot_cag.store.search.Hit`), e.g. from a llama-index
                 retriever; skips retrieval.
             stop: Stop sequences: the answer ends before the first one generated (a line break always ends it).
             max_new_tokens: Generation budget of this question (default: the asker's).

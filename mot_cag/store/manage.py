@@ -17,7 +17,9 @@ from pathlib import Path
 
 from mot_cag.errors import StoreError
 from mot_cag.store import chunkfile
-from mot_cag.store.store import CHUNKS_DIR, DOCS_DIR, Store, WriterLock
+from mot_cag.store.format import CHUNKS_DIR, DOCS_DIR
+from mot_cag.store.lock import WriterLock
+from mot_cag.store.store import Store
 
 
 @dataclass
