@@ -589,7 +589,9 @@ def _store_path(store: str | None) -> str:
 
 @app.command("ingest")
 def ingest_cmd(
-    paths: Annotated[list[str], typer.Argument(help="Files or folders (.txt, .md; folders are read recursively).")],
+    paths: Annotated[list[str], typer.Argument(
+        help="Files or folders of UTF-8 text (any name: .txt, .md, .rst, LICENSE...; folders are read "
+             "recursively).")],
     store: Annotated[str | None, typer.Option("--store", help="Store folder (default from the pipeline).")] = None,
     source: Annotated[str | None, typer.Option(
         help="Source model (default: the store's, else the pipeline's).")] = None,

@@ -107,11 +107,11 @@ class IngestResult:
 def _nothing_to_do(paths: list[str], skipped: list[SkippedFile]) -> StoreError:
     where = ", ".join(paths)
     if not skipped:
-        return StoreError(f"No .txt or .md files found in {where}; point ingest at a folder or file of text documents.")
+        return StoreError(f"No text files found in {where}; point ingest at a folder or file of UTF-8 text documents.")
     shown = "; ".join(f"{Path(s.path).name}: {s.reason}" for s in skipped[:5])
     more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-    return StoreError(f"Nothing to ingest in {where}: every file was skipped ({shown}{more}); give UTF-8 .txt or "
-                      ".md files with some text.")
+    return StoreError(f"Nothing to ingest in {where}: every file was skipped ({shown}{more}); give UTF-8 text "
+                      "files with some text.")
 
 
 def ingest(
@@ -133,7 +133,7 @@ def ingest(
     """Ingest documents into a store, creating it when absent; resumable and idempotent.
 
     Args:
-        paths: Files and folders (read recursively: ``.txt``, ``.md``).
+        paths: Files and folders (read recursively: UTF-8 text files, judged by content).
         store: Store folder.
         source: Source model; defaults to the store's own, or the pipeline's for a new store.
         chunk_tokens: Chunk size in source tokens (default: the store's, the pipeline's for a new store).

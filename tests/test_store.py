@@ -208,3 +208,19 @@ def test_vector_index_ignores_ids_it_holds():
     index = VectorIndex.build(4, np.arange(3), vecs[:3])
     index.add([1, 3], vecs[[1, 3]])  # 1 again (an embedding computed twice after a crash), 3 new
     assert len(index) == 4 and [i for i, _ in index.search(vecs[1], 4)].count(1) == 1
+
+
+def test_text_is_judged_by_content_not_suffix(tmp_path):
+    """LICENSE, README, NOTICE and .rst files are text; a suffix-less binary or a control-character file is
+    not; known binary formats are skipped without reading."""
+    (tmp_path / "LICENSE").write_text("Permission is hereby granted, free of charge, to any person.")
+    (tmp_path / "README").write_text("Ana Brell keeps the notes of the project.")
+    (tmp_path / "guide.rst").write_text("Guide\n=====\n\nMira Hollen plays the violin.\n")
+    (tmp_path / "blob").write_bytes(bytes(range(1, 32)) * 40)  # no NUL, valid UTF-8, all control characters
+    (tmp_path / "core").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00")
+    (tmp_path / "weights.safetensors").write_text("looks like text but is a weight file by name")
+    files, skipped = discover([tmp_path])
+    assert sorted(f.path.name for f in files) == ["LICENSE", "README", "guide.rst"]
+    reasons = {s.path.rsplit("/", 1)[-1]: s.reason for s in skipped}
+    assert reasons["blob"] == "binary" and reasons["core"] == "binary"
+    assert "binary format" in reasons["weights.safetensors"]

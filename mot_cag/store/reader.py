@@ -1,4 +1,7 @@
-"""Finding and reading the documents to ingest: ``.txt`` and ``.md`` files, recursively, streamed.
+"""Finding and reading the documents to ingest: UTF-8 text files of any name (``.txt``, ``.md``, ``.rst``,
+``LICENSE``, ``README``...), recursively, streamed. A file is judged by its content, not its suffix: it is read
+when its first 64 KiB decode as UTF-8 and hold no NUL byte and almost no control characters; formats known to
+be binary (images, archives, PDF, model weights) are skipped without reading.
 
 Files the store cannot use (binary, not UTF-8, empty, unreadable, another format) are not errors: they are
 returned as :class:`SkippedFile` records so the caller can list them, and only when *nothing* is left does
@@ -15,8 +18,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-#: File suffixes read as plain text.
-TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".text"})
+#: Suffixes of formats that are never plain text: skipped without reading (HTML and other markup that is
+#: text is read as it is).
+BINARY_SUFFIXES = frozenset({
+    ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".ico", ".tif", ".tiff", ".pdf", ".zip", ".gz", ".tgz",
+    ".bz2", ".xz", ".zst", ".7z", ".tar", ".whl", ".jar", ".so", ".dll", ".dylib", ".exe", ".o", ".a", ".pyc",
+    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".npy", ".npz", ".parquet", ".arrow", ".sqlite",
+    ".db", ".faiss", ".mp3", ".mp4", ".wav", ".ogg", ".flac", ".mov", ".avi", ".woff", ".woff2", ".ttf", ".otf",
+    ".docx", ".xlsx", ".pptx", ".odt",
+})
+#: Share of control characters (other than tab, line breaks and form feed) above which text is binary.
+MAX_CONTROL_SHARE = 0.01
 
 #: Bytes inspected to decide whether a file is text.
 SNIFF_BYTES = 64 * 1024
@@ -100,8 +112,8 @@ def _unusable(path: Path) -> str | None:
     """Why ``path`` cannot be ingested, or ``None`` when it looks like a UTF-8 text file."""
     if not path.is_file():
         return "not a regular file"
-    if path.suffix.lower() not in TEXT_SUFFIXES:
-        return f"not a text file ({path.suffix or 'no suffix'}; .txt and .md are read)"
+    if path.suffix.lower() in BINARY_SUFFIXES:
+        return f"not a text file ({path.suffix.lower()} is a binary format)"
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -114,9 +126,12 @@ def _unusable(path: Path) -> str | None:
         return "binary"
     try:
         # Incremental decoding: a multi-byte character cut at the sniff boundary is not an error.
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == size)
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == size)
     except UnicodeDecodeError:
         return "not UTF-8 text"
+    control = sum(1 for ch in text if ord(ch) < 32 and ch not in "\t\n\r\f")
+    if control > MAX_CONTROL_SHARE * max(1, len(text)):
+        return "binary"
     return None
 
 
