@@ -187,3 +187,25 @@ def test_piece_cache_is_bounded_by_bytes_not_entries(monkeypatch):
     assert huge.length == 200 and "huge" not in lru
     monkeypatch.setenv("MOT_CAG_CACHE_MB", "2")
     assert LRU().max_bytes == 2 << 20
+
+
+def test_jsonl_datasets_load_without_the_datasets_package(tmp_path):
+    """Local JSONL is read with json: no `datasets` import (1 s and cache files in the home folder before),
+    and a malformed line is named."""
+    import subprocess
+
+    good = tmp_path / "q.jsonl"
+    good.write_text('{"id": "a", "context": "Ana was born in Corvale.", "question": "Where?", "answer": "Corvale"}\n'
+                    '\n{"context": "", "question": "Who?", "answer": "Mira"}\n')
+    code = ("import sys; from mot_cag.evaluation.datasets import load_examples; "
+            f"rows = load_examples({str(good)!r}); "
+            "assert [r['id'] for r in rows] == ['a', '1'], rows; "
+            "assert 'datasets' not in sys.modules, 'datasets was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from mot_cag.evaluation.datasets import load_examples
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "x", "question": "q", "answer": "a"}\n{"context": oops}\n')
+    with pytest.raises(MotCagError, match="line 2"):
+        load_examples(str(bad))
