@@ -4,7 +4,7 @@ Every prompt is ``head + pieces + suffix``, tokenized in those three parts so th
 (direct text, translated cache, native chunks, no context) feeds the target the same tokens around the
 context and the head's KV can be computed once and kept at the start of an assembled context:
 
-- ``qa`` (the zoo, shared/spec/synthetic-qa.md): head = the tokenizer's BOS ids, pieces joined as they are,
+- ``qa`` (the zoo, docs/synthetic-qa.md): head = the tokenizer's BOS ids, pieces joined as they are,
   suffix ``\\nQuestion: {q}\\nAnswer: {cue}``; the answer ends at the first sentence end or newline.
 - ``chat`` (real instruct models with a chat template): the template rendered for one user turn holding an
   instruction, the documents and the question, plus the generation prompt. The head is everything before

@@ -1,4 +1,4 @@
-"""The synthetic fact-QA generator follows shared/spec/synthetic-qa.md and is deterministic per seed."""
+"""The synthetic fact-QA generator follows docs/synthetic-qa.md and is deterministic per seed."""
 
 from __future__ import annotations
 

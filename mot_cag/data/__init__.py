@@ -1,1 +1,1 @@
-"""Synthetic data in the fixed format of shared/spec/synthetic-qa.md (see ``mot_cag.data.synthetic``)."""
+"""Synthetic data in the fixed format of docs/synthetic-qa.md (see ``mot_cag.data.synthetic``)."""

@@ -2,7 +2,7 @@
 
 ``mot-cag data corpus DIR`` writes ``DIR/docs/doc-XXX.txt`` (one synthetic-QA document per file, spec
 format: a title line, then fact sentences about several entities) and ``DIR/questions.jsonl`` (one row per
-question in the eval dataset format of shared/spec/cli.md, ``context`` empty, ``doc`` naming the file that
+question in the eval dataset format of docs/cli.md, ``context`` empty, ``doc`` naming the file that
 holds the answer). Ingest ``DIR/docs`` into a store and evaluate with ``--store``: retrieval must find the
 one document that answers each question.
 

@@ -1,9 +1,9 @@
-"""Synthetic fact QA following shared/spec/synthetic-qa.md (the format is fixed; do not drift from it).
+"""Synthetic fact QA following docs/synthetic-qa.md (the format is fixed; do not drift from it).
 
 A *world* is a set of entities (invented person names) with facts; a *document* renders some facts as
 sentences, each with the relation's forward or inverted template. From documents we build:
 
-* dataset examples (the JSONL rows of shared/spec/cli.md) for the tasks ``qa`` (extractive), ``closed``
+* dataset examples (the JSONL rows of docs/cli.md) for the tasks ``qa`` (extractive), ``closed``
   (four options), ``repeat`` (copy fidelity), ``needle`` and ``multikey`` (long context) and
   ``multihop`` (optional in the spec);
 * training text: ``{document}\\nQuestion: {question}\\nAnswer: {cue} {value}.`` with several Q/A lines per

@@ -1,4 +1,4 @@
-"""Scores of shared/spec/synthetic-qa.md: SQuAD-normalised exact match and token F1, and KL/NLL helpers."""
+"""Scores of docs/synthetic-qa.md: SQuAD-normalised exact match and token F1, and KL/NLL helpers."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The context is what gets cached (prefilled by the source, translated); the continuation is read by the target
 over the translated cache (prompt-LM loss) and starts at ``\\nQuestion:`` or ``\\nRepeat:`` as in
-shared/spec/synthetic-qa.md. Sources: the synthetic generator (``synthetic``, training split of invented
+docs/synthetic-qa.md. Sources: the synthetic generator (``synthetic``, training split of invented
 strings), a JSONL file of cli.md rows (``context`` + ``question``/``cue``/``answer``), or a plain text file
 (each paragraph split in two, for real models on real corpora).
 """
