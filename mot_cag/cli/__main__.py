@@ -1,0 +1,5 @@
+"""``python -m mot_cag.cli``."""
+
+from mot_cag.cli import main
+
+main()
