@@ -84,12 +84,12 @@ def _measure(tr, model, n: int, chunk: int, device: torch.device, dtype: torch.d
 
     def direct():
         for i, c in enumerate(chunks):
-            translate(tr, c, W, model, ids[i * per:(i + 1) * per], target_start=i * per, mode="direct")
+            translate(tr, c, W, model, ids[i * per:(i + 1) * per], target_start=i * per, injection="inject-all")
 
     with torch.no_grad():
         t_prefill = _time(lambda: prefill(model, ids), device, repeats)
         t_direct = _time(direct, device, repeats)
-        subs = window_substitutes(tr, translate(tr, chunks[0], W, model, ids[:per], mode="direct"))
+        subs = window_substitutes(tr, translate(tr, chunks[0], W, model, ids[:per], injection="inject-all"))
         full = {layer: (kv[0].repeat(1, k, 1), kv[1].repeat(1, k, 1)) for layer, kv in subs.items()}
         t_replay = _time(lambda: replay_forward(model, ids, full, need_logits=False), device, repeats)
     return {"tokens": k * per, "prefill_ms": 1e3 * t_prefill, "direct_ms": 1e3 * t_direct,

@@ -1,7 +1,7 @@
 """Time to first token: translated (or stored) caches vs the target reading the text (direct), same run.
 
     .venv/bin/python benchmarks/bench_ask.py [--source qwen2-mini] [--targets ...] [--lengths 1024 2048 4096]
-        [--injection auto|direct|replay|replay-joint] [--recompute 0 0.15] [--policy deviation]
+        [--injection auto|inject-all|replay|replay-joint] [--recompute 0 0.15] [--policy deviation]
 
 For each target and context length (retrieved tokens, in ~256-token chunks of synthetic documents), measures
 the median over repeats of: direct (target prefills the text, then the first answer token), translated cold
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    parser.add_argument("--injection", default="auto", help="auto, direct, replay or replay-joint")
+    parser.add_argument("--injection", default="auto", help="auto, inject-all, replay or replay-joint")
     parser.add_argument("--recompute", nargs="+", type=float, default=[0.0],
                         help="cross-chunk repair ratios to time (each one a row)")
     parser.add_argument("--policy", default="deviation", help="recompute policy: deviation, start or spread")

@@ -92,11 +92,11 @@ def bench_pair(source, target, tokens: int, repeats: int) -> dict:
 
     def direct():
         a = token_alignment(source.tokenizer, target.tokenizer, text)
-        translate(tr, chunk, a.W, target, tgt_ids, mode="direct")
+        translate(tr, chunk, a.W, target, tgt_ids, injection="inject-all")
 
     def replay():
         a = token_alignment(source.tokenizer, target.tokenizer, text)
-        translate(tr, chunk, a.W, target, tgt_ids, mode="replay")
+        translate(tr, chunk, a.W, target, tgt_ids, injection="replay")
 
     with torch.no_grad():
         t_prefill = _time(lambda: prefill(target.model, tgt_ids), repeats)

@@ -2,7 +2,7 @@
 # Translated caches between the real models (issue [3]): for each pair, the held-out corpus (seed 80923, never
 # used to choose a translator setting) ingested by the source with chunks prefilled after its prompt head, 4
 # retrieved chunks per question, answered by the target in modes direct (reads the text), none, and the
-# translated store chunks with direct injection and with replay-joint (the default). Resumable: rerun to continue.
+# translated store chunks with inject-all injection and with replay-joint (the default). Resumable: rerun to continue.
 #   LIMIT=24 bash benchmarks/eval_translators_real.sh
 set -u
 cd "$(dirname "$0")/.."

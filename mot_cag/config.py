@@ -15,15 +15,24 @@ else:  # Python 3.10: the same parser from PyPI (a declared dependency there)
     import tomli as tomllib
 
 from mot_cag.errors import MotCagError
+from mot_cag.names import (
+    CHUNK_PREFIXES,
+    CONTEXT_MODES,
+    INJECTIONS,
+    KV_DTYPES,
+    RECOMPUTE_POLICIES,
+    ChunkPrefix,
+    ContextMode,
+    Injection,
+    KVDtype,
+    RecomputePolicy,
+    choose,
+)
 
 #: The pipeline of a project checkout (relative to the current folder); used when present.
 DEFAULT_PIPELINE = Path("pipelines/default.toml")
 #: Environment variables that replace a pipeline's setting (a command-line option still wins).
 ENV_OVERRIDES = {"MOT_CAG_STORE": "store", "MOT_CAG_DEVICE": "device"}
-MODES = ("translated", "direct", "native-chunks", "none")
-INJECTIONS = ("auto", "direct", "replay", "replay-joint")
-RECOMPUTE_POLICIES = ("deviation", "start", "spread")
-CHUNK_PREFIXES = ("auto", "prompt", "none")
 
 
 def parse_window(value: float | str | None) -> float | str:
@@ -66,8 +75,9 @@ class PipelineConfig:
             i.e. real models; ``none`` for the zoo's synthetic-QA format and absolute-position models).
         top_k: Chunks retrieved per question.
         mode: Default context mode of ``ask``.
-        injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``direct``, ``replay``
-            (each chunk replayed by the target) or ``replay-joint`` (one replay over all retrieved chunks).
+        injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``inject-all`` (every
+            layer translated; old spelling ``direct``), ``replay`` (each chunk replayed by the target) or
+            ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
             cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
             kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE`, now 0; docs/chunk-caches.md).
@@ -83,24 +93,22 @@ class PipelineConfig:
     source: str = "qwen2-mini"
     store: str = "stores/default"
     chunk_tokens: int = 256
-    kv_dtype: str = "float16"
+    kv_dtype: KVDtype = "float16"
     embedder: str = "all-MiniLM-L6-v2"
-    chunk_prefix: str = "auto"
+    chunk_prefix: ChunkPrefix = "auto"
     top_k: int = 4
-    mode: str = "translated"
-    injection: str = "auto"
+    mode: ContextMode = "translated"
+    injection: Injection = "auto"
     recompute: float | str = "auto"
-    recompute_policy: str = "deviation"
+    recompute_policy: RecomputePolicy = "deviation"
     replay_window: float | str = "auto"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise MotCagError(f"Pipeline mode '{self.mode}' is unknown; use one of {', '.join(MODES)}.")
-        if self.injection not in INJECTIONS:
-            raise MotCagError(f"Pipeline injection '{self.injection}' is unknown; use one of {', '.join(INJECTIONS)}.")
+        self.mode = choose("pipeline mode", self.mode, CONTEXT_MODES)
+        self.injection = choose("pipeline injection", self.injection, INJECTIONS)
         if isinstance(self.recompute, str) and self.recompute.strip().lower() == "auto":
             self.recompute = "auto"
         if self.recompute != "auto":
@@ -114,18 +122,13 @@ class PipelineConfig:
             if not 0.0 <= self.recompute <= 1.0:
                 raise MotCagError(f"Pipeline recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {given!r}.")
         self.replay_window = parse_window(self.replay_window)
-        if self.recompute_policy not in RECOMPUTE_POLICIES:
-            raise MotCagError(f"Pipeline recompute_policy '{self.recompute_policy}' is unknown; use one of "
-                              f"{', '.join(RECOMPUTE_POLICIES)}.")
-        if self.chunk_prefix not in CHUNK_PREFIXES:
-            raise MotCagError(f"Pipeline chunk_prefix '{self.chunk_prefix}' is unknown; use one of "
-                              f"{', '.join(CHUNK_PREFIXES)}.")
+        self.recompute_policy = choose("pipeline recompute_policy", self.recompute_policy, RECOMPUTE_POLICIES)
+        self.chunk_prefix = choose("pipeline chunk_prefix", self.chunk_prefix, CHUNK_PREFIXES)
         if self.top_k < 1:
             raise MotCagError(f"Pipeline top_k must be at least 1, got {self.top_k}.")
         if self.chunk_tokens < 8:
             raise MotCagError(f"Pipeline chunk_tokens must be at least 8, got {self.chunk_tokens}.")
-        if self.kv_dtype not in ("float16", "bfloat16", "float32"):
-            raise MotCagError(f"Pipeline kv_dtype '{self.kv_dtype}' is unknown; use float16, bfloat16 or float32.")
+        self.kv_dtype = choose("pipeline kv_dtype", self.kv_dtype, KV_DTYPES)
 
     @classmethod
     def from_file(cls, path: str | Path | None = None) -> PipelineConfig:

@@ -275,13 +275,11 @@ def chunk_prefix_for(source: str, kind: str, layout) -> tuple[str, tuple[int, ..
     if kind == "none":
         return "none", ()
     from mot_cag.models.registry import load_model
-    from mot_cag.prompts import prompt_format
+    from mot_cag.prompts import prefixes_chunks, prompt_format
 
     fmt = prompt_format(load_model(source, weights=False))
     if kind == "auto":
-        if layout.positions != "rope" or fmt.kind == "qa" or not fmt.head:
-            return "none", ()
-        return "prompt", fmt.head
+        return ("prompt", fmt.head) if prefixes_chunks(fmt, layout.positions) else ("none", ())
     if layout.positions != "rope":
         raise StoreError(f"--chunk-prefix prompt needs a RoPE source model; {source} has absolute positions baked "
                          "into its cache. Use --chunk-prefix none.")

@@ -193,6 +193,13 @@ def prompt_format(lm, kind: PromptKind | Literal["auto"] = "auto") -> PromptForm
     raise ValueError(f"Unknown prompt format '{kind}'; choose auto, qa, chat or completion.")
 
 
+def prefixes_chunks(fmt: PromptFormat, positions: str) -> bool:
+    """Whether chunks read in ``fmt`` are prefilled after its head by default (``chunk_prefix = "auto"``): for
+    RoPE models (a prefilled chunk can be moved) prompted with a chat or completion template that has a head. The
+    zoo's synthetic-QA format and absolute-position models prefill each chunk alone."""
+    return positions == "rope" and fmt.kind != "qa" and bool(fmt.head)
+
+
 def bos_ids(tokenizer) -> list[int]:
     """Ids the tokenizer puts before every text (OPT: ``</s>``; GPT-2, Qwen2: none)."""
     return list(tokenizer("", add_special_tokens=True)["input_ids"])

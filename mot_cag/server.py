@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mot_cag.config import INJECTIONS, MODES, PipelineConfig
+from mot_cag.config import PipelineConfig
 from mot_cag.errors import MotCagError
+from mot_cag.names import CONTEXT_MODES, INJECTIONS, choose
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -189,10 +190,10 @@ def _ext(body: dict) -> dict:
     unknown = set(ext) - {"store", "top_k", "mode", "injection", "recompute", "replay_window"}
     if unknown:
         raise MotCagError(f"Unknown mot_cag option(s): {', '.join(sorted(unknown))}.")
-    if "mode" in ext and ext["mode"] not in MODES:
-        raise MotCagError(f"mot_cag.mode must be one of {', '.join(MODES)}.")
-    if "injection" in ext and ext["injection"] not in INJECTIONS:
-        raise MotCagError(f"mot_cag.injection must be one of {', '.join(INJECTIONS)}.")
+    if "mode" in ext:
+        ext["mode"] = choose("mot_cag.mode", ext["mode"], CONTEXT_MODES)
+    if "injection" in ext:
+        ext["injection"] = choose("mot_cag.injection", ext["injection"], INJECTIONS)
     return ext
 
 

@@ -228,11 +228,11 @@ def test_translated_prefixed_store_aligns_text_and_separator_after_the_head(chat
     stored = translated_builder(chat_lm, chat_lm, chunk_prefix=st.config.prefix_ids, recompute=off).build(pieces)
     monkeypatch.setattr(translation, "same_model", lambda a, b: False)
     tr = _prefixed_identity(chat_lm)
-    for injection in ("direct", "replay-joint"):
+    for injection in ("inject-all", "replay-joint"):
         built = translated_builder(chat_lm, chat_lm, tr, injection, recompute=off,
                                    chunk_prefix=st.config.prefix_ids).build(pieces)
         assert built.ids == stored.ids
-        if injection == "direct":
+        if injection == "inject-all":
             torch.testing.assert_close(built.kv.keys, stored.kv.keys, rtol=0, atol=1e-4)
             torch.testing.assert_close(built.kv.values, stored.kv.values, rtol=0, atol=1e-4)
     st.close()
@@ -278,5 +278,5 @@ def test_prefixed_training_examples_are_made_after_the_heads(chat_lm):
     pairs = [(DOCS["b.txt"], "\nQuestion: What is the access code of Tomas Reddick?\nAnswer: 48213.")]
     score = evaluate_translator(tr, chat_lm, chat_lm, pairs, "direct", heads=heads)
     assert score["n"] == 1 and score["kl_benefit"] > 0.99
-    with pytest.raises(ValueError, match="direct injection only"):
+    with pytest.raises(ValueError, match="inject-all only"):
         evaluate_translator(tr, chat_lm, chat_lm, pairs, "replay", heads=heads)

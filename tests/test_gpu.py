@@ -44,9 +44,9 @@ def test_translation_on_cuda_equals_cpu(tiny_models, gpu_models, src, tgt):
     al = token_alignment(s.tokenizer, t.tokenizer, TEXT)
     chunk = kv.prefill(s.model, al.src_ids)
     with torch.no_grad():
-        want = translate(tr, chunk, al.W, t, al.tgt_ids, mode="direct")
+        want = translate(tr, chunk, al.W, t, al.tgt_ids, injection="inject-all")
         got = translate(tr.to("cuda"), chunk.to(device="cuda"), al.W.cuda(), gpu_models[tgt], al.tgt_ids.cuda(),
-                        mode="direct")
+                        injection="inject-all")
     assert got.keys.is_cuda
     torch.testing.assert_close(got.keys.cpu(), want.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.values.cpu(), want.values, atol=1e-4, rtol=1e-4)

@@ -78,26 +78,29 @@ def test_translated_builder_picks_injection(tiny_models, tmp_path):
     pieces = [Piece(text, source_kv=src_kv)]
     auto = translated_builder(s, t, path, "auto")
     assert isinstance(auto, ReplayJointContext)
-    caches = {inj: translated_builder(s, t, path, inj).build(pieces) for inj in ("direct", "replay", "replay-joint")}
+    caches = {inj: translated_builder(s, t, path, inj).build(pieces) for inj in ("inject-all", "replay", "replay-joint")}
     n = DirectContext(t).build(pieces).tokens
     for inj, ctx in caches.items():
         assert ctx.tokens == n and ctx.kv.length == n, inj
         assert torch.isfinite(ctx.kv.keys).all()
     # One piece: replaying it alone or joined is the same computation.
     torch.testing.assert_close(caches["replay"].kv.keys, caches["replay-joint"].kv.keys, atol=1e-5, rtol=1e-5)
-    assert (caches["direct"].kv.keys[0] - caches["replay-joint"].kv.keys[0]).abs().max() > 1e-3
+    assert (caches["inject-all"].kv.keys[0] - caches["replay-joint"].kv.keys[0]).abs().max() > 1e-3
     with pytest.raises(MotCagError, match="injection"):
         translated_builder(s, t, path, "sideways")
-    replay_only = save_translator(build_translator(s, t, mode="replay", expert="mlp", experts=1, hidden=16),
+    replay_only = save_translator(build_translator(s, t, coverage="replay", expert="mlp", experts=1, hidden=16),
                                   tmp_path / "replay")
+    with pytest.raises(TranslatorError, match="replay"):
+        translated_builder(s, t, replay_only, "inject-all")
+    # The old spelling of inject-all is still understood (and refused the same way here).
     with pytest.raises(TranslatorError, match="replay"):
         translated_builder(s, t, replay_only, "direct")
     assert isinstance(translated_builder(s, t, replay_only, "auto"), ReplayJointContext)
-    # The replay window of a direct translator is chosen at question time: 1 = every layer translated, which
-    # is direct injection; a replay-only translator cannot widen its window.
+    # The replay window of an inject-all translator is chosen at question time: 1 = every layer translated, which
+    # is inject-all; a replay-only translator cannot widen its window.
     whole = translated_builder(s, t, path, "replay-joint", window=1.0)
     assert whole.window == list(range(t.layout.layers))
-    torch.testing.assert_close(whole.build(pieces).kv.keys, caches["direct"].kv.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(whole.build(pieces).kv.keys, caches["inject-all"].kv.keys, atol=1e-5, rtol=1e-5)
     assert translated_builder(s, t, path, "replay-joint", window=0.01).window == [t.layout.layers - 1]
     with pytest.raises(MotCagError, match="covers target layers"):
         translated_builder(s, t, replay_only, "replay-joint", window=1.0)

@@ -149,7 +149,7 @@ def test_help_shows_choices_and_defaults(monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, "ask", "--help")
     text = " ".join(out.split())
     assert code == 0
-    assert "[translated|direct|native-chunks|none]" in text and "[auto|direct|replay|replay-joint]" in text
+    assert "[translated|direct|native-chunks|none]" in text and "[auto|inject-all|replay|replay-joint]" in text
     assert "default: the pipeline's, now 4" in text  # --top-k
     code, out, _ = run_cli(monkeypatch, capsys, "ingest", "--help")
     assert "[float16|bfloat16|float32]" in " ".join(out.split())

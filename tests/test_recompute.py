@@ -8,6 +8,7 @@ import torch
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models import recompute as rc
+from mot_cag.names import POSITIONAL_POLICIES
 
 FAMILIES = ["gpt2", "opt", "qwen2"]
 PIECES = ("Ana Brell was born in Corvale.", " Tomas Reddick works as a baker.")
@@ -161,7 +162,7 @@ def test_recompute_count_rounds_half_up_and_keeps_positive_ratios_positive():
             rc.recompute_count(10, bad)
 
 
-@pytest.mark.parametrize("policy", rc.RECOMPUTE_POLICIES)
+@pytest.mark.parametrize("policy", POSITIONAL_POLICIES)
 def test_policies_extremes_and_sizes(policy):
     starts = [0, 6, 10]
     assert rc.recompute_indices(policy, 16, 0.0, starts) == []

@@ -111,9 +111,9 @@ def test_translate_shapes_every_pair(tiny_models, src, tgt):
     tr = build_translator(s, t, expert="attn", experts=3, top_k=2, hidden=16, heads=2)
     al = token_alignment(s.tokenizer, t.tokenizer, TEXT)
     chunk = prefill(s.model, al.src_ids)
-    for mode in ("direct", "replay"):
+    for injection in ("inject-all", "replay"):
         with torch.no_grad():
-            out = translate(tr, chunk, al.W, t, al.tgt_ids, target_start=3, mode=mode)
+            out = translate(tr, chunk, al.W, t, al.tgt_ids, target_start=3, injection=injection)
         lay = t.layout
         assert out.keys.shape == (lay.layers, lay.kv_heads, len(al.tgt_ids), lay.head_dim)
         assert out.values.shape == out.keys.shape and out.start == 3
@@ -130,9 +130,9 @@ def test_identity_translator_reproduces_native_answers(tiny_models, fam, expert)
     cont = torch.tensor(m.tokenizer(CONT, add_special_tokens=False)["input_ids"])
     native = prefill(m.model, al.tgt_ids)
     native_logits, _ = forward(m.model, cont, native)
-    for mode in ("direct", "replay"):
-        tr = build_translator(m, m, mode=mode, expert=expert, experts=4, top_k=2, hidden=16, heads=2,
-                              prev_token=mode == "replay")
+    for coverage in ("inject-all", "replay"):
+        tr = build_translator(m, m, coverage=coverage, expert=expert, experts=4, top_k=2, hidden=16, heads=2,
+                              prev_token=coverage == "replay")
         with torch.no_grad():
             ctx = translate(tr, native, al.W, m, al.tgt_ids)
             logits, _ = forward(m.model, cont, ctx)
@@ -164,9 +164,9 @@ def test_translate_refuses_chunk_of_another_model(tiny_models):
     wrong = prefill(tiny_models["opt"].model, al.src_ids)
     with pytest.raises(TranslatorError, match="mot-cag train"):
         translate(tr, wrong, al.W, t, al.tgt_ids)
-    replay_only = build_translator(s, t, mode="replay", expert="mlp", experts=1, hidden=16)
+    replay_only = build_translator(s, t, coverage="replay", expert="mlp", experts=1, hidden=16)
     with pytest.raises(TranslatorError, match="replay"):
-        translate(replay_only, prefill(s.model, al.src_ids), al.W, t, al.tgt_ids, mode="direct")
+        translate(replay_only, prefill(s.model, al.src_ids), al.W, t, al.tgt_ids, injection="inject-all")
 
 
 # ---------------------------------------------------------------------------------- checkpoints, listing

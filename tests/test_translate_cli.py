@@ -21,7 +21,7 @@ def test_train_then_list(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert (res["source"], res["target"], res["kind"], res["experts"]) == (src, tgt, "mot", 2)
-    assert res["eval"]["direct"]["n"] == 2 and res["final"]["step"] == 2
+    assert res["eval"]["inject-all"]["n"] == 2 and res["final"]["step"] == 2
     listed = _run(["translators", "--json"], tmp_path)
     assert listed.returncode == 0, listed.stderr
     rows = [r for r in json.loads(listed.stdout) if r["path"] == res["path"]]

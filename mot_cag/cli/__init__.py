@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mot_cag.config import INJECTIONS, MODES, RECOMPUTE_POLICIES
 from mot_cag.errors import MotCagError
+from mot_cag.names import CONTEXT_MODES, INJECTIONS, RECOMPUTE_POLICIES
 
 app = typer.Typer(
     help="Cache-augmented generation across heterogeneous LLMs: ingest documents once as KV caches, "
@@ -69,7 +69,7 @@ def _pipeline_default(key: str) -> str:
     return f"default: the pipeline's, now {value}"
 
 
-MODE_CHOICES = _choices(MODES)
+MODE_CHOICES = _choices(CONTEXT_MODES)
 RecomputeOpt = Annotated[str | None, typer.Option(
     metavar="[auto|0-1]",
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
@@ -82,8 +82,9 @@ RecomputePolicyOpt = Annotated[str | None, typer.Option(
          + ".")]
 InjectionOpt = Annotated[str | None, typer.Option(
     metavar=_choices(INJECTIONS),
-    help="How translated caches enter the target: auto (= replay-joint), direct (translated K/V are the cache; "
-         "fastest), replay (the target re-runs each chunk with translated K/V in its window layers) or "
+    help="How translated caches enter the target: auto (= replay-joint), inject-all (translated K/V are "
+         "the cache; fastest; old spelling: direct), replay (the target re-runs each chunk with translated K/V "
+         "in its window layers) or "
          "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention); "
          + _pipeline_default("injection") + ".")]
 WindowOpt = Annotated[str | None, typer.Option(

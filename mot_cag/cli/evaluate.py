@@ -21,8 +21,8 @@ from mot_cag.cli import (
     err,
     out,
 )
-from mot_cag.config import CHUNK_PREFIXES
 from mot_cag.errors import MotCagError
+from mot_cag.names import CHUNK_PREFIXES, COVERAGES, choose
 
 # --------------------------------------------------------------------------------------------------- eval
 
@@ -119,9 +119,9 @@ def translators_cmd(as_json: JsonOpt = False) -> None:
         out.print("No translators found in " + ", ".join(str(d) for d in search_dirs())
                   + "; train one with `mot-cag train --source S --target T`.")
         return
-    table = _table("source", "target", "kind", "mode", "experts", "params", "path")
+    table = _table("source", "target", "kind", "coverage", "experts", "params", "path")
     for r in rows:
-        table.add_row(r["source"], r["target"], r["kind"], r["mode"], str(r["experts"]), f"{r['params']:,}",
+        table.add_row(r["source"], r["target"], r["kind"], r["coverage"], str(r["experts"]), f"{r['params']:,}",
                       r["path"])
     out.print(table)
 
@@ -139,15 +139,19 @@ def train_cmd(
     out_dir: Annotated[str | None, typer.Option("--out", help="Output folder (default: user translator dir).")] = None,
     kind: Annotated[str, typer.Option(metavar=_choices(("mot", "single", "ridge")),
                                       help="mot, single (K=1) or ridge (closed form, no training).")] = "mot",
-    mode: Annotated[str, typer.Option(metavar=_choices(("direct", "replay")),
-                                      help="Injection: direct (every layer) or replay (window).")] = "direct",
+    injection: Annotated[str, typer.Option(
+        metavar=_choices(COVERAGES),
+        help="What the translator covers: inject-all (every layer; can also replay) or replay (the window).")
+    ] = "inject-all",
+    old_mode: Annotated[str | None, typer.Option("--mode", hidden=True,
+                                                 help="Old name of --injection (direct = inject-all).")] = None,
     expert: Annotated[str, typer.Option(metavar=_choices(("attn", "mlp")),
                                         help="Expert kind: attn (paper) or mlp (light).")] = "attn",
     hidden: Annotated[int, typer.Option(help="Expert hidden width.")] = 128,
     window_start: Annotated[int | None, typer.Option(help="First injected target layer (replay).")] = None,
     window_width: Annotated[int | None, typer.Option(help="Injected layers (replay).")] = None,
     token_features: Annotated[bool, typer.Option(
-        "--token-features", help="Feed the target's token embeddings to the experts (direct injection).")] = False,
+        "--token-features", help="Feed the target's token embeddings to the experts (inject-all).")] = False,
     prev_tokens: Annotated[int, typer.Option(help="Previous tokens whose features the experts also read.")] = 0,
     token_rank: Annotated[int, typer.Option(
         help="With --token-features: project the embeddings onto this many principal directions (0 = full "
@@ -178,7 +182,8 @@ def train_cmd(
                           chunk_prefix=chunk_prefix, calibration_tokens=calibration_tokens)
     except ValueError as e:
         raise MotCagError(str(e)) from None
-    req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, mode=mode, expert=expert,
+    coverage = choose("injection", old_mode or injection, COVERAGES)
+    req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, coverage=coverage, expert=expert,
                        experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
                        window_width=window_width, token_features=token_features, prev_token=prev_tokens,
                        token_rank=token_rank,

@@ -18,7 +18,7 @@ from mot_cag.cli import (
     err,
     out,
 )
-from mot_cag.config import CHUNK_PREFIXES
+from mot_cag.names import CHUNK_PREFIXES
 
 
 @app.command("ingest")

@@ -11,7 +11,9 @@ from mot_cag.errors import MotCagError
 from mot_cag.evaluation.datasets import load_examples
 from mot_cag.evaluation.runner import Evaluator, ExampleResult, evaluate
 from mot_cag.models.registry import LoadedModel, load_model
-from mot_cag.pipeline.context import MODES, Piece, Recompute, make_builder
+from mot_cag.names import CONTEXT_MODES, INJECTIONS, ContextMode, Injection, RecomputePolicy, choose
+from mot_cag.pipeline.context import Piece, Recompute
+from mot_cag.pipeline.translation import builder_for
 
 
 @dataclass
@@ -21,7 +23,7 @@ class EvalRequest:
     dataset: str
     target: str
     source: str | None = None
-    modes: list[str] = field(default_factory=list)
+    modes: list[ContextMode] = field(default_factory=list)
     store: str | None = None
     top_k: int = 4
     limit: int | None = None
@@ -29,21 +31,20 @@ class EvalRequest:
     device: str = "auto"
     translator: str | None = None
     max_new_tokens: int = 24
-    injection: str = "auto"
+    injection: Injection = "auto"
     recompute: float | str = "auto"
-    recompute_policy: str = "deviation"
+    recompute_policy: RecomputePolicy = "deviation"
     replay_window: float | str = "auto"
 
 
 def default_modes(source: str | None) -> list[str]:
     """Every mode when a source model is named, else the target alone with and without the context."""
-    return ["translated", "direct", "native-chunks", "none"] if source else ["direct", "none"]
+    return list(CONTEXT_MODES) if source else ["direct", "none"]
 
 
 def _check_modes(modes: list[str], source: str | None) -> None:
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise MotCagError(f"Unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}.")
+    for mode in modes:
+        choose("context mode", mode, CONTEXT_MODES)
     if "translated" in modes and not source:
         raise MotCagError("Mode 'translated' needs a source model: pass --source NAME (the model that prefilled).")
 
@@ -64,9 +65,8 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
         req.source = open_store(req.store).source.name  # a store's caches come from its own source model
     modes = list(dict.fromkeys(req.modes or default_modes(req.source)))
     _check_modes(modes, req.source)
-    from mot_cag.pipeline.translation import check_injection_name
 
-    check_injection_name(req.injection)
+    req.injection = choose("injection", req.injection, INJECTIONS)
     device = pick_device(req.device)
     torch.manual_seed(req.seed)
     target = load_model(req.target, device=device)
@@ -76,17 +76,13 @@ def run_eval(req: EvalRequest, progress: Callable[[int, int], Callable[[int], No
         raise MotCagError(f"Dataset {req.dataset} has no examples.")
 
     repair = Recompute.parse(req.recompute, req.recompute_policy)
-    builders = {m: make_builder(m, target, recompute=repair) for m in modes if m != "translated"}
-    if "translated" in modes:
-        from mot_cag.pipeline.translation import translated_builder, window_share
+    prefix: tuple[int, ...] = ()  # without a store each context is prefilled alone (see _pieces_from_examples)
+    if req.store:
+        from mot_cag.store.store import Store
 
-        prefix: tuple[int, ...] = ()  # without a store each context is prefilled alone (see _pieces_from_examples)
-        if req.store:
-            from mot_cag.store.store import Store
-
-            prefix = Store.read_config(req.store).prefix_ids
-        builders["translated"] = translated_builder(source, target, req.translator, req.injection, recompute=repair,
-                                                    chunk_prefix=prefix, window=window_share(req.replay_window))
+        prefix = Store.read_config(req.store).prefix_ids
+    builders = {m: builder_for(m, target, repair, source, req.translator, req.injection, prefix, req.replay_window)
+                for m in modes}
     evaluator = Evaluator(target, builders, max_new_tokens=req.max_new_tokens)
     pieces_for = _pieces_from_examples(source) if not req.store else _pieces_from_store(req, source, target)
     tick = progress(len(examples), 0) if progress else None

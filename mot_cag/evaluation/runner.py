@@ -25,6 +25,7 @@ from mot_cag.evaluation.metrics import contains_answer, exact_match, kl_rows, to
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
 from mot_cag.pipeline.context import ContextBuilder, DirectContext, Piece, TargetContext
+from mot_cag.pipeline.generate import continuation_rule, fits, generate
 from mot_cag.prompts import (
     REPEAT_SUFFIX,
     PromptFormat,
@@ -87,8 +88,6 @@ class Evaluator:
         self.reference = builders.get("direct") or DirectContext(target)
         first = next(iter(builders.values()), None)
         self.prompt = first.prompt if first is not None else prompt_format(target)
-        eos = target.tokenizer.eos_token_id
-        self.eos = eos if isinstance(eos, int) else None
 
     # ------------------------------------------------------------------------------------------- pieces
 
@@ -99,22 +98,6 @@ class Evaluator:
         logits, _ = kv.forward(self.target.model, ids, ctx.kv, keep_cache=False)
         rows = logits[len(suffix_ids) - 1: len(suffix_ids) + len(ref_ids) - 1].float()  # (R, V)
         return torch.log_softmax(rows, dim=-1)
-
-    def _generate(self, ctx: TargetContext, suffix_ids: list[int], t0: float) -> tuple[str, float]:
-        tok = self.target.tokenizer
-        first: list[float] = []
-        out: list[int] = []
-
-        def stop(ids: list[int]) -> bool:
-            if not first:
-                first.append(time.perf_counter() - t0)
-            return self.prompt.finished(tok.decode(ids, skip_special_tokens=True))
-
-        for t in kv.greedy_tokens(self.target.model, as_tensor(suffix_ids, self.target.device), ctx.kv,
-                                  self.max_new_tokens, stop=stop, eos_token_id=self.eos):
-            out.append(t)
-        ttft = first[0] if first else time.perf_counter() - t0
-        return tok.decode(out, skip_special_tokens=True), ttft
 
     @torch.no_grad()
     def _options(self, ctx: TargetContext, suffix_ids: list[int], options: list[str]) -> int:
@@ -148,15 +131,16 @@ class Evaluator:
             builder = self.builders[mode]
             t0 = time.perf_counter()
             ctx = builder.build(pieces)
-            limit = self.target.layout.max_positions
-            if ctx.tokens + len(suffix_ids) + len(ref_ids) + 2 > limit:
-                raise ContextTooLong(f"example {ex.get('id')} needs {ctx.tokens + len(suffix_ids) + len(ref_ids)} "
-                                     f"positions; the target has {limit}")
+            needed = ctx.tokens + len(suffix_ids) + len(ref_ids)
+            if not fits(self.target, needed, reserve=2):
+                raise ContextTooLong(f"example {ex.get('id')} needs {needed} positions; the target has "
+                                     f"{self.target.layout.max_positions}")
             res = ExampleResult(str(ex.get("id")), mode, kind, 0.0, len(ref_ids), 0.0,
                                 template=ex.get("template"), context_tokens=ctx.tokens)
             if kind == "extractive" or kind == "closed":
-                text, res.ttft_s = self._generate(ctx, suffix_ids, t0)
-                res.prediction = self.prompt.extract(text)
+                gen = generate(self.target, ctx.kv, suffix_ids, self.max_new_tokens, continuation_rule(self.prompt),
+                               t0)
+                res.prediction, res.ttft_s = self.prompt.extract(gen.text), gen.ttft_s
                 res.exact_match = exact_match(res.prediction, str(ex["answer"]))
                 res.f1 = token_f1(res.prediction, str(ex["answer"]))
                 res.contains = contains_answer(res.prediction, str(ex["answer"]))

@@ -19,9 +19,7 @@ import math
 import torch
 
 from mot_cag.models import cache as kv
-
-#: Policies of :func:`recompute_indices` (the deviation policy needs the model: :func:`deviation_indices`).
-RECOMPUTE_POLICIES = ("start", "spread")
+from mot_cag.names import POSITIONAL_POLICIES, PositionalPolicy
 
 
 def recompute_count(n_tokens: int, ratio: float) -> int:
@@ -64,7 +62,7 @@ def _start_order(n_tokens: int, piece_starts: list[int]) -> list[int]:
     return order
 
 
-def recompute_indices(policy: str, n_tokens: int, ratio: float, piece_starts: list[int]) -> list[int]:
+def recompute_indices(policy: PositionalPolicy, n_tokens: int, ratio: float, piece_starts: list[int]) -> list[int]:
     """Chunk-relative indices of the tokens to recompute, sorted.
 
     ``start`` takes the first tokens of every piece that does not start the chunk, round-robin over pieces.
@@ -77,7 +75,8 @@ def recompute_indices(policy: str, n_tokens: int, ratio: float, piece_starts: li
     ``spread`` takes ``k`` evenly spaced tokens over the whole chunk, ignoring pieces: a baseline.
 
     Args:
-        policy: One of :data:`RECOMPUTE_POLICIES`.
+        policy: One of :data:`~mot_cag.names.POSITIONAL_POLICIES` (the deviation policy needs the model:
+            :func:`deviation_indices`).
         n_tokens: Length of the joined chunk.
         ratio: Fraction of the tokens to recompute, in [0, 1] (see :func:`recompute_count`).
         piece_starts: Chunk-relative index of each piece's first token, strictly increasing (``[0, 12, 30]``).
@@ -85,9 +84,9 @@ def recompute_indices(policy: str, n_tokens: int, ratio: float, piece_starts: li
     Raises:
         ValueError: Unknown policy, ratio outside [0, 1], or bad ``piece_starts``.
     """
-    if policy not in RECOMPUTE_POLICIES:
+    if policy not in POSITIONAL_POLICIES:
         raise ValueError(
-            f"unknown recompute policy {policy!r}; choose one of {', '.join(RECOMPUTE_POLICIES)} (CacheBlend's "
+            f"unknown recompute policy {policy!r}; choose one of {', '.join(POSITIONAL_POLICIES)} (CacheBlend's "
             "KV-deviation choice needs the model: use deviation_indices)."
         )
     k = recompute_count(n_tokens, ratio)

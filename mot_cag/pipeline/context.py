@@ -23,19 +23,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from mot_cag.config import RECOMPUTE_POLICIES
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.registry import LoadedModel
-from mot_cag.prompts import PromptFormat, as_tensor, encode, prompt_format
-
-Mode = Literal["translated", "direct", "native-chunks", "none"]
-MODES: tuple[str, ...] = ("translated", "direct", "native-chunks", "none")
-
+from mot_cag.names import CONTEXT_MODES, RECOMPUTE_POLICIES, ContextMode, RecomputePolicy, choose
+from mot_cag.prompts import PromptFormat, as_tensor, encode, prefixes_chunks, prompt_format
 
 #: What ``--recompute auto`` (the default) recomputes of a context whose pieces were prefilled after the prompt
 #: head (real models). 0: on the held-out corpus, deviation recompute of 0.1 (chosen on 28 dev questions) gave
@@ -56,14 +51,12 @@ class Recompute:
     """
 
     ratio: float | None = None
-    policy: str = "deviation"
+    policy: RecomputePolicy = "deviation"
 
     def __post_init__(self) -> None:
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
             raise MotCagError(f"--recompute must be a fraction in [0, 1] (e.g. 0.1) or auto, got {self.ratio}.")
-        if self.policy not in RECOMPUTE_POLICIES:
-            raise MotCagError(f"Unknown recompute policy '{self.policy}'; choose one of "
-                              f"{', '.join(RECOMPUTE_POLICIES)}.")
+        choose("recompute policy", self.policy, RECOMPUTE_POLICIES)
 
     @classmethod
     def parse(cls, ratio: float | str | None, policy: str | None = None) -> Recompute:
@@ -280,7 +273,7 @@ class _JoinedChunks(ContextBuilder):
         self.cache = cache if cache is not None else LRU()
         rope = target.layout.positions == "rope"
         if prefixed is None:
-            prefixed = rope and self.prompt.kind != "qa" and bool(self.head)
+            prefixed = prefixes_chunks(self.prompt, target.layout.positions)
         if prefixed and not rope:
             raise MotCagError(f"{target.name} has absolute positions: its pieces cannot be prefilled after the "
                               "prompt head and moved; use prefixed=False.")
@@ -436,12 +429,7 @@ class ReplayJointContext(TranslatedContext):
         return TargetContext(chunk, joined.tokens, joined.timings, joined.ids, joined.piece_starts)
 
 
-def context_length_ok(target: LoadedModel, tokens: int, reserve: int = 64) -> bool:
-    """Whether ``tokens`` of context leave ``reserve`` positions for the question and answer."""
-    return tokens + reserve <= target.layout.max_positions
-
-
-def make_builder(mode: str, target: LoadedModel, translate_piece: TranslateFn | None = None,
+def make_builder(mode: ContextMode, target: LoadedModel, translate_piece: TranslateFn | None = None,
                  recompute: Recompute | None = None) -> ContextBuilder:
     """The builder of a mode name (``translated`` needs ``translate_piece``; ``recompute`` applies to the modes
     that join separately made caches, native-chunks and translated)."""
@@ -455,4 +443,4 @@ def make_builder(mode: str, target: LoadedModel, translate_piece: TranslateFn | 
         if translate_piece is None:
             raise ValueError("translated mode needs a translate_piece function")
         return TranslatedContext(target, translate_piece, recompute=recompute)
-    raise ValueError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
+    raise MotCagError(f"Unknown context mode {mode!r}; choose one of {', '.join(CONTEXT_MODES)}.")

@@ -6,24 +6,26 @@ from pathlib import Path
 
 import torch
 
-from mot_cag.config import INJECTIONS
 from mot_cag.errors import MotCagError
 from mot_cag.models.cache import KVChunk, Positioner
 from mot_cag.models.registry import LoadedModel
-from mot_cag.pipeline.context import LRU, Piece, Recompute, ReplayJointContext, TranslatedContext, TranslateFn
+from mot_cag.names import INJECTIONS, choose
+from mot_cag.pipeline.context import (
+    LRU,
+    ContextBuilder,
+    Piece,
+    Recompute,
+    ReplayJointContext,
+    TranslatedContext,
+    TranslateFn,
+    make_builder,
+)
 from mot_cag.prompts import prompt_format
 
 AUTO_INJECTION = "replay-joint"
 """What ``auto`` means: on the held-out store corpora, replay over the joined context keeps 0.99 of the context's
-effect (kl_benefit) for every zoo target, direct injection 0.81-0.94 (mot_cag/zoo/translators/RESULTS.md, "Over a
+effect (kl_benefit) for every zoo target, injecting all layers 0.81-0.94 (mot_cag/zoo/translators/RESULTS.md, "Over a
 store")."""
-
-
-def check_injection_name(injection: str) -> str:
-    """Validate an injection name, returning it; one clear error otherwise."""
-    if injection not in INJECTIONS:
-        raise MotCagError(f"Unknown injection '{injection}'; choose one of {', '.join(INJECTIONS)}.")
-    return injection
 
 
 def same_model(a: LoadedModel, b: LoadedModel) -> bool:
@@ -35,7 +37,7 @@ def piece_translator(
     source: LoadedModel,
     target: LoadedModel,
     translator=None,
-    mode: str | None = None,
+    injection: str | None = None,
     window_only: bool = False,
     separator: str = "",
 ) -> TranslateFn:
@@ -51,9 +53,9 @@ def piece_translator(
         target: Target model (runs leading target-only tokens, and replay injection).
         translator: Translator folder or loaded translator; default:
             :func:`~mot_cag.translate.checkpoint.find_translator`.
-        mode: ``direct`` or ``replay`` injection (default: the translator's own).
+        injection: ``inject-all`` or ``replay`` (default: the translator's coverage).
         window_only: Return the translator's target layers untouched (:func:`~mot_cag.translate.inject.injected_kv`),
-            for :class:`~mot_cag.pipeline.context.ReplayJointContext`; ``mode`` is then ignored.
+            for :class:`~mot_cag.pipeline.context.ReplayJointContext`; ``injection`` is then ignored.
         separator: Text after each piece's text in its stored chunk (a prefixed store's chunks hold text and the
             prompt's separator); source and target tokens are aligned over text + separator.
     """
@@ -87,7 +89,7 @@ def piece_translator(
         W, ids = al.W.to(device), al.tgt_ids.to(device)
         if window_only:
             return injected_kv(tr, src, W, target, ids, target_start=start)
-        return translate(tr, src, W, target, ids, target_start=start, mode=mode)
+        return translate(tr, src, W, target, ids, target_start=start, injection=injection)
 
     return translate_piece
 
@@ -120,9 +122,10 @@ def translated_builder(
         source: Source model (weights not needed).
         target: Target model.
         translator: Translator folder (default: the one found for the pair).
-        injection: ``direct`` (translated K/V are the cache), ``replay`` (each piece replayed by the target),
-            ``replay-joint`` (one replay over all pieces), or ``auto`` (:data:`AUTO_INJECTION`). Ignored when
-            the target is the source model (its stored caches are used as they are).
+        injection: ``inject-all`` (translated K/V are the cache; old spelling ``direct``), ``replay`` (each piece
+            replayed by the target), ``replay-joint`` (one replay over all pieces), or ``auto``
+            (:data:`AUTO_INJECTION`). Ignored when the target is the source model (its stored caches are used as
+            they are).
         cache: LRU of translated pieces (shared across builders of one target, optional).
         recompute: Cross-chunk repair applied to the assembled context (default: off).
         chunk_prefix: The prefix ids the store's chunks were prefilled after (:attr:`~mot_cag.store.store.
@@ -130,14 +133,14 @@ def translated_builder(
             must be the target's prompt head, whose KV then stands once before the stored chunks.
         window: Replay-joint only: the share of the target's layers, from the top, that take translated K/V
             (the target computes the layers below over the joined context, so the pass costs about
-            ``1 - window`` of a prefill). Default: the translator's own window. A translator for direct
-            injection covers every layer, so any window from 0 to 1 can be chosen at question time.
+            ``1 - window`` of a prefill). Default: the translator's own window. A translator trained to
+            inject all layers covers every layer, so any window from 0 to 1 can be chosen at question time.
 
     Raises:
         MotCagError: Unknown injection; a store prefilled after another prompt head than the target's;
             TranslatorError: a translator that cannot inject that way.
     """
-    check_injection_name(injection)
+    injection = choose("injection", injection, INJECTIONS)
     if same_model(source, target):
         # A prefixed store's chunks are the text and the prompt's separator, prefilled after the head
         # (mot_cag.ingest); a prefix-free one holds the text alone.
@@ -152,13 +155,12 @@ def translated_builder(
     from mot_cag.translate.inject import check_injection
 
     tr = _load(source, target, translator)
-    mode = AUTO_INJECTION if injection == "auto" else injection
-    check_injection(tr, mode)
+    injection = check_injection(tr, AUTO_INJECTION if injection == "auto" else injection)
     prefixed = check_translator_prefix(tr, target, chunk_prefix)
     # A prefixed translator maps chunks made after the source's head (text + separator) onto the target's
     # chunks made after its own head, which stands once at the front of the context.
     sep = prompt_format(target).separator if prefixed else ""
-    if mode == "replay-joint":
+    if injection == "replay-joint":
         lm = tr.config.layers
         layers = [lm.target_layers[i] for i in lm.window_positions()]
         if window is not None:
@@ -167,10 +169,24 @@ def translated_builder(
         builder: TranslatedContext = ReplayJointContext(target, fn, list(lm.target_layers), layers, cache, recompute,
                                                         prefixed=prefixed)
     else:
-        builder = TranslatedContext(target, piece_translator(source, target, translator=tr, mode=mode, separator=sep),
+        builder = TranslatedContext(target, piece_translator(source, target, translator=tr, injection=injection,
+                                                                     separator=sep),
                                     cache, recompute, prefixed=prefixed)
     builder.separated = prefixed
     return builder
+
+
+def builder_for(mode: str, target: LoadedModel, recompute: Recompute | None = None, source: LoadedModel | None = None,
+                translator: str | Path | None = None, injection: str = "auto", chunk_prefix: tuple[int, ...] = (),
+                replay_window: float | str | None = "auto") -> ContextBuilder:
+    """The context builder of a mode: :func:`translated_builder` for ``translated`` (which needs ``source``),
+    :func:`~mot_cag.pipeline.context.make_builder` for the others. ``ask`` and ``eval`` both build here."""
+    if mode != "translated":
+        return make_builder(mode, target, recompute=recompute)
+    if source is None:
+        raise MotCagError("Mode 'translated' needs a source model: pass --source NAME (the model that prefilled).")
+    return translated_builder(source, target, translator, injection, recompute=recompute, chunk_prefix=chunk_prefix,
+                              window=window_share(replay_window))
 
 
 def window_share(value: float | str | None) -> float | None:
@@ -192,7 +208,8 @@ def replay_window(tr, share: float) -> list[int]:
         lm = tr.config.layers
         raise MotCagError(f"Translator {tr.config.source} -> {tr.config.target} covers target layers "
                           f"{lm.window_start}..{lm.window_start + lm.window_width - 1} only; a window of {share} needs "
-                          f"{layers[0]}..{total - 1}. Use a translator trained for direct injection (every layer).")
+                          f"{layers[0]}..{total - 1}. Use a translator trained to inject all layers "
+                          "(`--injection inject-all`).")
     return layers
 
 

@@ -33,6 +33,7 @@ import torch
 
 from mot_cag.errors import StoreError
 from mot_cag.models.layout import KVLayout
+from mot_cag.names import STORED_CHUNK_PREFIXES, StoredChunkPrefix, choose
 
 STORE_FORMAT = "mot-cag-store/1"
 #: Format of a store whose chunks were prefilled after a prefix: versions that know only format 1 refuse it
@@ -47,8 +48,6 @@ DOCS_DIR = "documents"
 LOCK_FILE = "writer.lock"
 DEFAULT_STORE = "stores/default"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-#: What a store's chunks are prefilled after (:attr:`StoreConfig.chunk_prefix`).
-CHUNK_PREFIXES = ("none", "prompt")
 
 #: Chunk-file metadata fields covered by ``meta_checksum`` (a field absent counts as ``""``). ``token_ids`` and
 #: ``text`` are metadata only in chunk format 1; format 2 stores them as tensors, covered by the tensor checksum
@@ -99,7 +98,7 @@ class StoreConfig:
     embed_dim: int = 384
     chunk_tokens: int = 256
     format: str = STORE_FORMAT
-    chunk_prefix: str = "none"
+    chunk_prefix: StoredChunkPrefix = "none"
     prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -113,8 +112,7 @@ class StoreConfig:
             raise StoreError(f"The store's prefix_ids {self.prefix_ids!r} are not token ids; the store.json is "
                              "damaged: restore it or ingest into a new store.") from None
         object.__setattr__(self, "format", STORE_FORMAT_PREFIXED if self.prefix_ids else STORE_FORMAT)
-        if self.chunk_prefix not in CHUNK_PREFIXES:
-            raise StoreError(f"Chunk prefix '{self.chunk_prefix}' is unknown; use one of {', '.join(CHUNK_PREFIXES)}.")
+        choose("chunk prefix", self.chunk_prefix, STORED_CHUNK_PREFIXES, StoreError)
         if (self.chunk_prefix == "none") != (not self.prefix_ids):
             raise StoreError(f"Chunk prefix '{self.chunk_prefix}' with {len(self.prefix_ids)} prefix tokens is "
                              "inconsistent: 'none' has no tokens, 'prompt' needs them.")

@@ -8,7 +8,7 @@ Public API (everything callable from Python; the CLI's ``train`` and ``translato
     al = token_alignment(source.tokenizer, target.tokenizer, text)          # (src_ids, tgt_ids, W [T_t, T_s])
     chunk = prefill(source.model, al.src_ids)                                # or a stored source chunk
     tr = load_translator(find_translator(source.name, target.name), source, target)
-    ctx = translate(tr, chunk, al.W, target, al.tgt_ids, target_start=0, mode="direct")  # KVChunk, target layout
+    ctx = translate(tr, chunk, al.W, target, al.tgt_ids, target_start=0, injection="inject-all")  # a KVChunk
     logits, _ = forward(target.model, question_ids, ctx)
 
 Modules: :mod:`.alignment` (cross-tokenizer averaging matrix), :mod:`.layers` (layer map and injection

@@ -178,7 +178,7 @@ def _candidates() -> list[Path]:
 def list_translators() -> list[dict]:
     """Every translator found, as ``mot-cag translators --json`` records.
 
-    Keys: ``source``, ``target``, ``kind``, ``experts``, ``params``, ``path``, plus ``mode`` and ``expert``.
+    Keys: ``source``, ``target``, ``kind``, ``experts``, ``params``, ``path``, plus ``coverage`` and ``expert``.
     """
     rows = []
     for path in _candidates():
@@ -187,7 +187,7 @@ def list_translators() -> list[dict]:
         except TranslatorError:
             continue
         rows.append({"source": cfg.source, "target": cfg.target, "kind": cfg.kind, "experts": cfg.experts,
-                     "params": _param_count(path / WEIGHTS), "path": str(path), "mode": cfg.mode,
+                     "params": _param_count(path / WEIGHTS), "path": str(path), "coverage": cfg.coverage,
                      "expert": cfg.expert})
     return rows
 
@@ -212,14 +212,14 @@ def _param_count(path: Path) -> int:
     return total
 
 
-def find_translator(source: str, target: str, kind: str | None = None, mode: str | None = None) -> Path:
+def find_translator(source: str, target: str, kind: str | None = None, injection: str | None = None) -> Path:
     """The directory of a translator for (source, target), matched by the names in the configs.
 
     Args:
         source: Source model name (as given to ``load_model``).
         target: Target model name.
         kind: Prefer this kind (``mot``, ``single``, ``ridge``); default prefers ``mot``, then ``single``.
-        mode: Require a translator able to inject this way (``replay`` is possible for every translator).
+        injection: Require a translator able to inject this way (``replay`` is possible for every translator).
 
     Raises:
         TranslatorError: None found, naming where it looked and the command that trains one.
@@ -235,7 +235,7 @@ def find_translator(source: str, target: str, kind: str | None = None, mode: str
             continue
         if kind is not None and cfg.kind != kind:
             continue
-        if mode == "direct" and cfg.mode != "direct":
+        if injection == "inject-all" and cfg.coverage != "inject-all":
             continue
         found.append((order.get(cfg.kind, 3), path))
     if not found:

@@ -24,6 +24,7 @@ import torch
 
 from mot_cag.errors import TranslatorError
 from mot_cag.models.cache import KVChunk, forward, replay_forward, rotate_keys
+from mot_cag.names import INJECTIONS, choose
 from mot_cag.translate.alignment import leading_unaligned
 from mot_cag.translate.mot import Translator
 
@@ -157,7 +158,7 @@ def translate(
     target_lm,
     tgt_ids: torch.Tensor,
     target_start: int = 0,
-    mode: str | None = None,
+    injection: str | None = None,
 ) -> KVChunk:
     """Translate a source chunk into the target's cache for ``tgt_ids`` at positions ``target_start..``.
 
@@ -171,22 +172,20 @@ def translate(
             leading target-only tokens, and the whole context in replay mode.
         tgt_ids: ``[T_tgt]`` target token ids of the same text.
         target_start: Global position of the first target token.
-        mode: ``direct`` or ``replay``; defaults to the translator's own mode.
+        injection: ``inject-all`` or ``replay``; defaults to the translator's coverage.
 
     Returns:
         A :class:`KVChunk` in the target's layout, ``start=target_start``, covering ``tgt_ids``.
 
     Raises:
-        TranslatorError: A replay-only translator asked for direct injection, or a chunk of another model.
+        TranslatorError: A replay-only translator asked to inject all layers, or a chunk of another model.
     """
-    cfg = translator.config
-    mode = mode or cfg.mode
-    check_injection(translator, mode)
-    if mode == "replay-joint":
+    injection = check_injection(translator, injection or translator.config.coverage)
+    if injection == "replay-joint":
         raise TranslatorError("replay-joint injection runs over a whole context, not one chunk; use "
                               "mot_cag.pipeline.translation.translated_builder.")
     chunk = injected_kv(translator, source_chunk, W, target_lm, tgt_ids, target_start)
-    if mode == "direct":
+    if injection == "inject-all":
         return chunk
     model = getattr(target_lm, "model", target_lm)
     _, replayed = replay_forward(model, tgt_ids.view(-1), window_substitutes(translator, chunk), start=target_start,
@@ -194,13 +193,14 @@ def translate(
     return replayed
 
 
-def check_injection(translator: Translator, mode: str) -> None:
-    """Raise a clear error when ``translator`` cannot inject in ``mode`` (``direct``, ``replay``, ``replay-joint``)."""
+def check_injection(translator: Translator, injection: str) -> str:
+    """``injection`` (``inject-all``, ``replay``, ``replay-joint``; old spelling ``direct``) when ``translator``
+    can inject that way; a clear error otherwise."""
     cfg = translator.config
-    if mode not in ("direct", "replay", "replay-joint"):
-        raise TranslatorError(f"Unknown injection mode '{mode}'; use direct, replay or replay-joint.")
-    if mode == "direct" and cfg.mode == "replay":
+    injection = choose("injection", injection, tuple(i for i in INJECTIONS if i != "auto"), TranslatorError)
+    if injection == "inject-all" and cfg.coverage == "replay":
         raise TranslatorError(
             f"Translator {cfg.source} -> {cfg.target} was trained for replay (window layers only) and cannot "
-            "inject directly; use --injection replay or train one with `mot-cag train --mode direct`."
+            "inject all layers; use --injection replay or train one with `mot-cag train --injection inject-all`."
         )
+    return injection

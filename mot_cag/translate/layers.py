@@ -3,15 +3,14 @@
 Layers are matched by relative depth (the top layer of one model to the top layer of the other). *Replay*
 injects a window of target layers — by default top-aligned and about 30% of the shallower model's depth, as in
 the paper; start and width are configurable so the early-vs-late injection sweep can be run. *Direct*
-injection translates every target layer, since the target never runs over the context.
+injection (``inject-all``) translates every target layer, since the target never runs over the context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Mode = Literal["direct", "replay"]
+from mot_cag.names import COVERAGES, Coverage, choose
 
 #: Share of the shallower model's depth injected by default in replay mode (the paper's window).
 DEFAULT_WINDOW_RATIO = 0.3
@@ -35,7 +34,7 @@ class LayerMap:
     """Target layers that receive translated KV and, position by position, the source layers that feed them.
 
     Attributes:
-        target_layers: Ascending target layer indices (all layers for direct injection).
+        target_layers: Ascending target layer indices (all layers for inject-all).
         source_layers: Same length; ``source_layers[i]`` feeds ``target_layers[i]``.
         window_start: First target layer of the replay window.
         window_width: Number of target layers in the replay window.
@@ -61,7 +60,7 @@ class LayerMap:
         cls,
         source_layers: int,
         target_layers: int,
-        mode: Mode = "direct",
+        coverage: Coverage = "inject-all",
         window_start: int | None = None,
         window_width: int | None = None,
     ) -> LayerMap:
@@ -70,13 +69,14 @@ class LayerMap:
         Args:
             source_layers: Source model depth.
             target_layers: Target model depth.
-            mode: ``direct`` translates every target layer; ``replay`` only the window.
+            coverage: ``inject-all`` translates every target layer; ``replay`` only the window.
             window_start: First target layer of the window (default: top-aligned).
             window_width: Window width in layers (default: 30% of the shallower depth, at least 1).
 
         Raises:
             ValueError: If the window does not fit in the target.
         """
+        coverage = choose("coverage", coverage, COVERAGES, ValueError)
         d_start, d_width = default_window(source_layers, target_layers)
         width = d_width if window_width is None else window_width
         start = (target_layers - width) if window_start is None else window_start
@@ -85,7 +85,7 @@ class LayerMap:
                 f"Injection window start={start} width={width} does not fit a {target_layers}-layer target; "
                 f"use 0 <= start and start + width <= {target_layers}."
             )
-        targets = tuple(range(target_layers)) if mode == "direct" else tuple(range(start, start + width))
+        targets = tuple(range(target_layers)) if coverage == "inject-all" else tuple(range(start, start + width))
         sources = tuple(source_layer_for(t, source_layers, target_layers) for t in targets)
         return cls(targets, sources, start, width)
 

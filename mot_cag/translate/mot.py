@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mot_cag.models.layout import KVLayout
-from mot_cag.translate.layers import LayerMap, Mode
+from mot_cag.names import COVERAGES, Coverage, choose
+from mot_cag.translate.layers import LayerMap
 
 ExpertKind = Literal["attn", "mlp", "linear"]
 EXPERT_KINDS = ("attn", "mlp", "linear")
-MODES = ("direct", "replay")
 FORMAT_VERSION = 1
 
 
@@ -50,8 +50,8 @@ class TranslatorConfig:
         source_layout: Source :class:`KVLayout` as a dict.
         target_layout: Target :class:`KVLayout` as a dict.
         layer_map: :class:`LayerMap` as a dict.
-        mode: Injection the translator was built for (``direct`` covers every target layer and can also
-            replay; ``replay`` covers only the window).
+        coverage: Injection the translator was built for (``inject-all`` covers every target layer and can
+            also replay; ``replay`` covers only the window). Files before this name say ``mode`` and ``direct``.
         expert: Expert kind (``attn``, ``mlp``, ``linear``).
         experts: Number of experts K per mixture.
         top_k: Experts mixed per token.
@@ -83,7 +83,7 @@ class TranslatorConfig:
     source_layout: dict
     target_layout: dict
     layer_map: dict
-    mode: Mode = "direct"
+    coverage: Coverage = "inject-all"
     expert: ExpertKind = "attn"
     experts: int = 4
     top_k: int = 2
@@ -104,8 +104,7 @@ class TranslatorConfig:
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got '{self.mode}'.")
+        self.coverage = choose("translator coverage", self.coverage, COVERAGES, ValueError)
         if self.expert not in EXPERT_KINDS:
             raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
         if self.experts < 1 or not 1 <= self.top_k <= self.experts:
@@ -148,6 +147,8 @@ class TranslatorConfig:
     def from_dict(cls, d: dict[str, Any]) -> TranslatorConfig:
         """Inverse of :meth:`to_dict`; keys from newer files are ignored, missing optional keys defaulted."""
         names = set(cls.__dataclass_fields__)
+        if "coverage" not in d and "mode" in d:  # written before the rename
+            d = {**d, "coverage": d["mode"]}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -439,7 +440,7 @@ def build_translator(
     source,
     target,
     *,
-    mode: Mode = "direct",
+    coverage: Coverage = "inject-all",
     expert: ExpertKind = "attn",
     experts: int = 4,
     top_k: int = 2,
@@ -458,7 +459,7 @@ def build_translator(
     Args:
         source: Source :class:`~mot_cag.models.registry.LoadedModel`.
         target: Target :class:`~mot_cag.models.registry.LoadedModel`.
-        mode: ``direct`` (every target layer) or ``replay`` (the window only).
+        coverage: ``inject-all`` (every target layer) or ``replay`` (the window only).
         expert: Expert kind.
         experts: K.
         top_k: Experts mixed per token.
@@ -475,13 +476,13 @@ def build_translator(
     """
     from mot_cag.translate.alignment import tokenizer_fingerprint
 
-    lm = LayerMap.build(source.layout.layers, target.layout.layers, mode, window_start, window_width)
+    lm = LayerMap.build(source.layout.layers, target.layout.layers, coverage, window_start, window_width)
     if pos_features is None:
         pos_features = 32 if target.layout.positions == "absolute" else 0
     cfg = TranslatorConfig(
         source=source.name, target=target.name,
         source_layout=source.layout.to_dict(), target_layout=target.layout.to_dict(),
-        layer_map=lm.to_dict(), mode=mode, expert=expert, experts=experts, top_k=min(top_k, experts),
+        layer_map=lm.to_dict(), coverage=coverage, expert=expert, experts=experts, top_k=min(top_k, experts),
         hidden=hidden, heads=heads, pos_features=pos_features, prev_token=int(prev_token),
         token_features=target.model.get_input_embeddings().weight.shape[1] if token_features else 0,
         token_rank=int(token_rank) if token_features else 0,

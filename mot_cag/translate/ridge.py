@@ -180,7 +180,7 @@ def calibrate(
 
 
 def fit_ridge_translator(
-    source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, mode: str = "direct",
+    source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, coverage: str = "inject-all",
     window_start: int | None = None, window_width: int | None = None, token_features: bool = False,
     prev_token: int = 0, token_rank: int = 0,
 ) -> Translator:
@@ -192,14 +192,14 @@ def fit_ridge_translator(
         examples: Prepared calibration examples (see :func:`~mot_cag.translate.train.example_stream`).
         tokens: Calibration tokens.
         ridge_lambda: Ridge strength.
-        mode: ``direct`` or ``replay``.
+        coverage: ``inject-all`` or ``replay``.
         window_start: Replay window start.
         window_width: Replay window width.
         token_features: Also regress on the target's token embeddings.
         prev_token: Also regress on this many previous tokens' features.
         token_rank: Project the token embeddings onto this many principal directions (0: full width).
     """
-    translator = build_translator(source, target, mode=mode, expert="linear", experts=1, top_k=1,
+    translator = build_translator(source, target, coverage=coverage, expert="linear", experts=1, top_k=1,
                                   window_start=window_start, window_width=window_width, kind="ridge",
                                   token_features=token_features, prev_token=prev_token, token_rank=token_rank)
     summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from mot_cag.names import COVERAGES
 from mot_cag.translate.mot import build_translator
 from mot_cag.translate.ridge import fit_ridge_translator
 from mot_cag.translate.train import TrainConfig, evaluate_translator, example_stream, heldout_pairs, train_translator
@@ -44,27 +45,32 @@ def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 1
     if variant == "ridge":
         tr = fit_ridge_translator(source, target, example_stream(source, target, cfg), cfg.calibration_tokens,
                                   **extra)
-        modes = ("direct", "replay")
+        ways = COVERAGES
     elif variant.startswith("window@"):
         start = int(variant.split("@")[1])
-        tr = build_translator(source, target, mode="replay", expert="attn", experts=4, top_k=2, hidden=hidden,
+        tr = build_translator(source, target, coverage="replay", expert="attn", experts=4, top_k=2, hidden=hidden,
                               window_start=start, window_width=1, **extra)
         train_translator(tr, source, target, cfg)
-        modes = ("replay",)
+        ways = ("replay",)
     else:
         cfg.ce, cfg.ccl, cfg.kl = LOSSES[variant]
         experts = 1 if variant == "single" else 4
         tr = build_translator(source, target, expert="attn", experts=experts, top_k=min(2, experts), hidden=hidden,
                               **extra)
         train_translator(tr, source, target, cfg)
-        modes = ("direct", "replay")
+        ways = COVERAGES
     row = {"source": source.name, "target": target.name, "variant": variant,
            "steps": 0 if variant == "ridge" else steps,
            "params": tr.parameter_count(), "train_s": round(time.time() - t0, 1)}
-    for mode in modes:
-        ev = evaluate_translator(tr, source, target, pairs, mode)
-        row[mode] = {k: ev[k] for k in ("kl_benefit", "nll_benefit", "top1_agreement", "kl_translated", "n")}
+    for way in ways:
+        ev = evaluate_translator(tr, source, target, pairs, way)
+        row[way] = {k: ev[k] for k in ("kl_benefit", "nll_benefit", "top1_agreement", "kl_translated", "n")}
     return row
+
+
+def _scores(row: dict, coverage: str) -> dict:
+    """A row's scores for one injection (rows written before the rename say ``direct`` for ``inject-all``)."""
+    return row.get(coverage) or (row.get("direct") if coverage == "inject-all" else None) or {}
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -72,10 +78,10 @@ def to_markdown(rows: list[dict]) -> str:
     def f(v):
         return "–" if v is None else f"{v:.3f}"
 
-    lines = ["| source | target | variant | steps | kl_benefit direct | kl_benefit replay | nll_benefit direct | "
-             "nll_benefit replay | top-1 agree direct |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| source | target | variant | steps | kl_benefit inject-all | kl_benefit replay | nll_benefit "
+             "inject-all | nll_benefit replay | top-1 agree inject-all |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        d, p = r.get("direct", {}), r.get("replay", {})
+        d, p = _scores(r, "inject-all"), _scores(r, "replay")
         lines.append(f"| {Path(r['source']).name} | {Path(r['target']).name} | {r['variant']} | {r['steps']} | "
                      f"{f(d.get('kl_benefit'))} | {f(p.get('kl_benefit'))} | {f(d.get('nll_benefit'))} | "
                      f"{f(p.get('nll_benefit'))} | {f(d.get('top1_agreement'))} |")
@@ -95,13 +101,13 @@ def plot(rows: list[dict], path: Path) -> bool:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     width = 0.8 / max(1, len(variants))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(pairs) + 4), 4), sharey=True)
-    for ax, mode in zip(axes, ("direct", "replay"), strict=True):
+    for ax, mode in zip(axes, COVERAGES, strict=True):
         for i, v in enumerate(variants):
             vals = []
             for s, t in pairs:
                 r = next((r for r in rows if r["variant"] == v and Path(r["source"]).name == s
                           and Path(r["target"]).name == t), None)
-                vals.append(((r or {}).get(mode) or {}).get("kl_benefit") or 0.0)
+                vals.append(_scores(r or {}, mode).get("kl_benefit") or 0.0)
             ax.bar([j + i * width for j in range(len(pairs))], vals, width, label=v)
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(pairs))],
                       [f"{s}→{t}" for s, t in pairs], rotation=20, fontsize=8)

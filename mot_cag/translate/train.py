@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from mot_cag.models.cache import KVChunk, forward, prefill
+from mot_cag.names import COVERAGES, Coverage, choose
+from mot_cag.prompts import prefixes_chunks, prompt_format
 from mot_cag.translate.alignment import token_alignment
 from mot_cag.translate.data import Pair, pair_stream
 from mot_cag.translate.inject import translate
@@ -165,8 +167,6 @@ class Heads:
     @torch.no_grad()
     def of(cls, source, target) -> Heads:
         """Both models' prompt heads; both formats must have one and share the separator."""
-        from mot_cag.prompts import prompt_format
-
         sp, tp = prompt_format(source), prompt_format(target)
         if not sp.head or not tp.head or sp.separator != tp.separator:
             raise ValueError(f"chunk_prefix 'prompt' needs both models to have a prompt head and one separator "
@@ -238,14 +238,14 @@ def _kl(native_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
                     reduction="batchmean")
 
 
-def loss_terms(translator: Translator, ex: Example, target, mode: str | None = None) -> dict[str, torch.Tensor]:
+def loss_terms(translator: Translator, ex: Example, target, injection: str | None = None) -> dict[str, torch.Tensor]:
     """The differentiable loss terms of one example."""
-    mode = mode or translator.config.mode
-    ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, mode)
+    injection = injection or translator.config.coverage
+    ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, injection)
     logits, full = forward(target.model, ex.cont_ids.to(target.device), ex.with_head(ctx))
     full = ex.after_head(full)
     cont = ex.cont_ids.to(logits.device)
-    first = 0 if mode == "direct" else translator.config.layers.window_start
+    first = 0 if injection == "inject-all" else translator.config.layers.window_start
     ccl = (_relative_mse(full.keys[first:], ex.native_full.keys[first:])
            + _relative_mse(full.values[first:], ex.native_full.values[first:])) / 2
     return {
@@ -357,7 +357,7 @@ def train_translator(
 
 @torch.no_grad()
 def evaluate_translator(
-    translator: Translator, source, target, pairs: Iterable[Pair], mode: str | None = None,
+    translator: Translator, source, target, pairs: Iterable[Pair], injection: str | None = None,
     max_context_tokens: int = 384, heads: Heads | None = None,
 ) -> dict:
     """Held-out fidelity over continuations: KL to the native target and the context benefit kept.
@@ -367,10 +367,11 @@ def evaluate_translator(
     ``kl_translated`` = KL(native || translated), ``kl_none``, ``kl_benefit`` = 1 - kl_translated / kl_none,
     ``nll_native``, ``nll_translated``, ``nll_none``, ``nll_benefit`` = (none - translated) / (none - native),
     ``top1_agreement`` (translated argmax = native argmax) and ``n``. With ``heads`` (prefixed examples,
-    direct injection only) every context follows the target's head, and "no context" is the head alone.
+    ``inject-all`` only) every context follows the target's head, and "no context" is the head alone.
     """
-    if heads is not None and (mode or translator.config.mode) != "direct":
-        raise ValueError("prefixed examples are scored with direct injection only (replay runs without the head; "
+    injection = choose("injection", injection or translator.config.coverage, COVERAGES, ValueError)
+    if heads is not None and injection != "inject-all":
+        raise ValueError("prefixed examples are scored with inject-all only (replay runs without the head; "
                          "measure replay-joint through the pipeline).")
     sums = {"kl_translated": 0.0, "kl_none": 0.0, "nll_native": 0.0, "nll_translated": 0.0, "nll_none": 0.0,
             "top1_agreement": 0.0}
@@ -379,7 +380,7 @@ def evaluate_translator(
         ex = prepare_example(source, target, pair, max_context_tokens, heads=heads)
         if ex is None:
             continue
-        ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, mode)
+        ctx = translate(translator, ex.src_chunk, ex.W, target, ex.tgt_ids.to(target.device), ex.start, injection)
         cont = ex.cont_ids.to(target.device)
         logits, _ = forward(target.model, cont, ex.with_head(ctx), keep_cache=False)
         none, _ = forward(target.model, cont, ex.head, keep_cache=False)
@@ -411,7 +412,7 @@ class TrainRequest:
         target: Target model name.
         out: Output directory (default: the user translator directory, ``<source>__<target>``).
         kind: ``mot`` (K experts), ``single`` (K = 1) or ``ridge`` (closed form, no training).
-        mode: ``direct`` or ``replay``.
+        coverage: ``inject-all`` (every target layer) or ``replay`` (the window only).
         expert: Expert kind (``attn``, ``mlp``).
         experts: K.
         top_k: Experts mixed per token.
@@ -431,7 +432,7 @@ class TrainRequest:
     target: str
     out: str | None = None
     kind: str = "mot"
-    mode: str = "direct"
+    coverage: Coverage = "inject-all"
     expert: str = "attn"
     experts: int = 4
     top_k: int = 2
@@ -458,19 +459,11 @@ def heldout_pairs(n: int, seed: int = 12345, data: str = "synthetic") -> list[Pa
     return list(itertools.islice(streams.get(data, synthetic_pairs)(seed, split="eval"), n))
 
 
-def prefixed_by_default(lm) -> bool:
-    """Whether a store made by ``lm`` prefills its chunks after the prompt head by default (``auto``)."""
-    from mot_cag.prompts import prompt_format
-
-    fmt = prompt_format(lm)
-    return lm.layout.positions == "rope" and fmt.kind != "qa" and bool(fmt.head)
-
-
 def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -> dict:
     """Load both models, build and train (or fit) a translator, save it, score it on held-out pairs.
 
     Returns:
-        ``{"source", "target", "kind", "mode", "experts", "params", "path", "seconds", "final", "eval"}``.
+        ``{"source", "target", "kind", "coverage", "experts", "params", "path", "seconds", "final", "eval"}``.
     """
     from pathlib import Path
 
@@ -488,19 +481,21 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
     source = load_model(req.source, device=device)
     target = load_model(req.target, device=device)
     if req.train.chunk_prefix == "auto":
-        req.train.chunk_prefix = "prompt" if prefixed_by_default(source) and prefixed_by_default(target) else "none"
+        both = all(prefixes_chunks(prompt_format(lm), lm.layout.positions) for lm in (source, target))
+        req.train.chunk_prefix = "prompt" if both else "none"
     torch.manual_seed(req.train.seed)
     try:
         if req.kind == "ridge":
             translator = fit_ridge_translator(
                 source, target, example_stream(source, target, req.train), req.train.calibration_tokens,
-                req.train.ridge_lambda, req.mode, req.window_start, req.window_width, req.token_features,
+                req.train.ridge_lambda, req.coverage, req.window_start, req.window_width, req.token_features,
                 req.prev_token, req.token_rank)
         else:
             experts = 1 if req.kind == "single" else req.experts
             translator = build_translator(
-                source, target, mode=req.mode, expert=req.expert, experts=experts, top_k=min(req.top_k, experts),
-                hidden=req.hidden, window_start=req.window_start, window_width=req.window_width, kind=req.kind,
+                source, target, coverage=req.coverage, expert=req.expert, experts=experts,
+                top_k=min(req.top_k, experts), hidden=req.hidden, window_start=req.window_start,
+                window_width=req.window_width, kind=req.kind,
                 token_features=req.token_features, prev_token=req.prev_token, token_rank=req.token_rank)
             train_translator(translator, source, target, req.train, log=log)
     except ValueError as e:
@@ -509,21 +504,19 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
         translator.config.training["config"] = asdict(req.train)
     heads = None
     if req.train.chunk_prefix == "prompt":
-        from mot_cag.prompts import prompt_format
-
         heads = Heads.of(source, target)
         translator.config.source_head = list(prompt_format(source).head)
         translator.config.target_head = list(prompt_format(target).head)
-    suffix = "" if req.kind == "mot" and req.mode == "direct" else f"{req.kind}-{req.mode}"
+    suffix = "" if req.kind == "mot" and req.coverage == "inject-all" else f"{req.kind}-{req.coverage}"
     out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
-    result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "mode": req.mode,
+    result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "coverage": req.coverage,
               "experts": translator.config.experts, "params": translator.parameter_count()}
     if req.eval_examples:
         pairs = heldout_pairs(req.eval_examples, data=req.train.data)
-        modes = ("direct",) if heads is not None else ("direct", "replay")
+        ways = ("inject-all",) if heads is not None else COVERAGES
         result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens,
                                                  heads)
-                          for m in modes if not (m == "direct" and req.mode == "replay")}
+                          for m in ways if not (m == "inject-all" and req.coverage == "replay")}
         translator.config.training["heldout"] = result["eval"]
     save_translator(translator, out, half=req.half)
     result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
