@@ -86,10 +86,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import mot_cag.ingest as ingest_mod
+    from mot_cag.ingest.chunker import Chunker
+    from mot_cag.ingest.documents import read_blocks
     from mot_cag.models import cache, registry
     from mot_cag.store import embed
-    from mot_cag.store.chunker import Chunker
-    from mot_cag.store.reader import read_blocks
     from mot_cag.store.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))

@@ -129,7 +129,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from mot_cag.evaluation.datasets import load_examples
-    from mot_cag.evaluation.runner import Evaluator
+    from mot_cag.evaluation.scoring import Evaluator
     from mot_cag.ingest import ingest
     from mot_cag.models.registry import load_model
     from mot_cag.pipeline.retrieval import store_pieces_for

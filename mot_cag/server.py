@@ -197,69 +197,84 @@ def _ext(body: dict) -> dict:
     return ext
 
 
+class Admission:
+    """At most ``limit`` requests in progress; the next one is told to come back (503)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pending = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> bool:
+        """Take a place; False when all are taken."""
+        with self._lock:
+            if self.pending >= self.limit:
+                return False
+            self.pending += 1
+            return True
+
+    def release(self) -> None:
+        """Give a place back."""
+        with self._lock:
+            self.pending -= 1
+
+
+def _error(status: int, message: str, kind: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _install_error_handlers(app) -> None:
+    """Every error becomes one JSON object with a status: 400 for user errors, 4xx from the framework, 500
+    (named) for bugs; never a traceback."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(MotCagError)
+    async def _user_error(request: Request, e: MotCagError):  # noqa: ARG001
+        return _error(400, str(e), "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):  # noqa: ARG001
+        return _error(422, "The request body is not valid JSON of the expected shape.", "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):  # noqa: ARG001
+        return _error(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):  # noqa: ARG001
+        return _error(500, f"Internal error: {type(e).__name__}: {e}", "server_error")
+
+
+async def _body_of(request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MotCagError("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise MotCagError("The request body must be a JSON object.")
+    return body
+
+
 def create_app(cfg: PipelineConfig, device="cpu", parallel: int = 1, max_pending: int = 32, engine=None):
     """The ASGI app (FastAPI). ``engine`` may be given to share warm state (tests)."""
     _fastapi()
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from mot_cag import __version__
 
     eng = engine or Engine(cfg, device, parallel)
     app = FastAPI(title="mot-cag", version=__version__)
     app.state.engine = eng
-    state = {"pending": 0}
-    admitting = threading.Lock()
-
-    def error(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-    @app.exception_handler(MotCagError)
-    async def _user_error(request: Request, e: MotCagError):  # noqa: ARG001
-        return error(400, str(e), "invalid_request_error")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError):  # noqa: ARG001
-        return error(422, "The request body is not valid JSON of the expected shape.", "invalid_request_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException):  # noqa: ARG001
-        return error(e.status_code, str(e.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):  # noqa: ARG001
-        return error(500, f"Internal error: {type(e).__name__}: {e}", "server_error")
-
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise MotCagError("The request body is not valid JSON.") from None
-        if not isinstance(body, dict):
-            raise MotCagError("The request body must be a JSON object.")
-        return body
-
-    def admit() -> bool:
-        """Take one of the ``max_pending`` places; False when all are taken (the caller answers 503)."""
-        with admitting:
-            if state["pending"] >= max_pending:
-                return False
-            state["pending"] += 1
-            return True
-
-    def release() -> None:
-        with admitting:
-            state["pending"] -= 1
-
-    def busy() -> JSONResponse:
-        return error(503, f"The server is busy ({max_pending} requests in progress); retry shortly.",
-                     "overloaded")
+    places = Admission(max_pending)
+    _install_error_handlers(app)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "version": __version__, "pending": state["pending"], **eng.loaded()}
+        return {"status": "ok", "version": __version__, "pending": places.pending, **eng.loaded()}
 
     @app.get("/v1/models")
     async def list_models():
@@ -271,50 +286,54 @@ def create_app(cfg: PipelineConfig, device="cpu", parallel: int = 1, max_pending
 
     @app.post("/v1/retrieve")
     async def retrieve(request: Request):
-        body = await body_of(request)
-        query = body.get("query") or body.get("question")
-        if not isinstance(query, str) or not query.strip():
-            raise MotCagError("'query' must be a non-empty string.")
-        ext = _ext({"mot_cag": {k: body[k] for k in ("store",) if k in body}})
-        top_k = _int(body, "top_k", cfg.top_k, 1, 1000)
-        opts = eng.options(None, ext)
-        hits = await asyncio.to_thread(lambda: eng.store(opts.store).search(query, k=top_k))
-        return {"object": "list", "store": opts.store,
-                "data": [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text, "key": h.key,
-                          "char_start": h.char_start, "char_end": h.char_end} for h in hits]}
-
-    async def complete(request: Request, chat: bool):
-        body = await body_of(request)
-        question = _question(body, chat)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise MotCagError("'model' must be a string (the target model).")
-        ext = _ext(body)
-        opts = eng.options(model, ext)
-        top_k = _int(ext, "top_k", cfg.top_k, 1, 1000)
-        stop = _stops(body)
-        max_tokens = _int(body, "max_tokens", None)
-        stream = bool(body.get("stream", False))
-        if not admit():
-            return busy()
-        if stream:  # the stream gives its place back when it ends
-            return StreamingResponse(_stream(eng, opts, question, top_k, stop, max_tokens, chat, release),
-                                     media_type="text/event-stream")
-        try:
-            res = await asyncio.to_thread(eng.answer, opts, question, top_k, stop, max_tokens)
-        finally:
-            release()
-        return JSONResponse(_response(res, opts, chat))
+        return await _retrieve(eng, cfg, await _body_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, True)
+        return await _complete(eng, cfg, places, await _body_of(request), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await complete(request, False)
+        return await _complete(eng, cfg, places, await _body_of(request), chat=False)
 
     return app
+
+
+async def _retrieve(eng: Engine, cfg: PipelineConfig, body: dict) -> dict:
+    query = body.get("query") or body.get("question")
+    if not isinstance(query, str) or not query.strip():
+        raise MotCagError("'query' must be a non-empty string.")
+    ext = _ext({"mot_cag": {k: body[k] for k in ("store",) if k in body}})
+    top_k = _int(body, "top_k", cfg.top_k, 1, 1000)
+    opts = eng.options(None, ext)
+    hits = await asyncio.to_thread(lambda: eng.store(opts.store).search(query, k=top_k))
+    return {"object": "list", "store": opts.store,
+            "data": [{"doc": h.doc, "chunk": h.chunk_index, "score": h.score, "text": h.text, "key": h.key,
+                      "char_start": h.char_start, "char_end": h.char_end} for h in hits]}
+
+
+async def _complete(eng: Engine, cfg: PipelineConfig, places: Admission, body: dict, chat: bool):
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    question = _question(body, chat)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise MotCagError("'model' must be a string (the target model).")
+    ext = _ext(body)
+    opts = eng.options(model, ext)
+    top_k = _int(ext, "top_k", cfg.top_k, 1, 1000)
+    stop = _stops(body)
+    max_tokens = _int(body, "max_tokens", None)
+    if not places.admit():
+        return _error(503, f"The server is busy ({places.limit} requests in progress); retry shortly.", "overloaded")
+    if body.get("stream", False):  # the stream gives its place back when it ends
+        return StreamingResponse(_stream(eng, opts, question, top_k, stop, max_tokens, chat, places.release),
+                                 media_type="text/event-stream")
+    try:
+        res = await asyncio.to_thread(eng.answer, opts, question, top_k, stop, max_tokens)
+    finally:
+        places.release()
+    return JSONResponse(_response(res, opts, chat))
 
 
 def _response(res, opts: AskOptions, chat: bool) -> dict:

@@ -7,6 +7,7 @@ import torch
 
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
+from mot_cag.models.positions import Positioner
 from mot_cag.store.chunkfile import load_chunk, read_metadata, save_chunk
 
 FAMILIES = ["gpt2", "opt", "qwen2"]
@@ -53,7 +54,7 @@ def test_greedy_from_cache_matches_greedy_from_text(tiny_models, family):
 def test_rope_reposition_equals_prefill_at_position(tiny_models):
     lm = tiny_models["qwen2"]
     ids = _ids(lm)
-    pos = kv.Positioner(lm.layout, lm.model.config)
+    pos = Positioner(lm.layout, lm.model.config)
     at0 = kv.prefill(lm.model, ids, start=0)
     for p in (7, 100, 400):
         native = kv.prefill(lm.model, ids, start=p)
@@ -70,7 +71,7 @@ def test_rope_chunks_concatenated_continue_like_a_joint_prefill_of_separate_chun
     global positions (what a single pass gives up to cross-chunk attention)."""
     lm = tiny_models["qwen2"]
     a, b = _ids(lm, "Ana Brell was born in Corvale."), _ids(lm, " Tomas Reddick works as a baker.")
-    pos = kv.Positioner(lm.layout, lm.model.config)
+    pos = Positioner(lm.layout, lm.model.config)
     joined = pos.concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
     reference = kv.join([kv.prefill(lm.model, a, 0), kv.prefill(lm.model, b, start=a.shape[0])])
     q = _ids(lm, "\nQuestion: Where was Ana Brell born?")
@@ -83,7 +84,7 @@ def test_rope_chunks_concatenated_continue_like_a_joint_prefill_of_separate_chun
 def test_absolute_positions_refuse_reposition(tiny_models, family):
     lm = tiny_models[family]
     chunk = kv.prefill(lm.model, _ids(lm))
-    pos = kv.Positioner(lm.layout, lm.model.config)
+    pos = Positioner(lm.layout, lm.model.config)
     assert pos.reposition(chunk, 0) is chunk
     with pytest.raises(MotCagError, match="absolute positions"):
         pos.reposition(chunk, 10)

@@ -10,6 +10,7 @@ import torch
 
 from mot_cag.errors import MotCagError, StoreError
 from mot_cag.models import cache as kv
+from mot_cag.models.positions import Positioner
 from mot_cag.pipeline.context import DirectContext, NativeChunksContext, Piece, Recompute
 from mot_cag.pipeline.translation import translated_builder
 from mot_cag.prompts import as_tensor, encode, prompt_format
@@ -78,7 +79,7 @@ def test_new_store_of_a_chat_model_prefills_chunks_after_its_prompt_head(chat_mo
     assert cfg.chunk_prefix == "prompt" and cfg.prefix_ids == head
     st = Store.open(store)
     assert st.info()["chunk_prefix"] == "prompt" and st.verify().ok
-    positioner = kv.Positioner(chat_lm.layout, chat_lm.model.config)
+    positioner = Positioner(chat_lm.layout, chat_lm.model.config)
     for row in st.manifest.iter_chunks():
         info = st.chunk_info(row.key)
         want = positioner.reposition(

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mot_cag.evaluation.metrics import exact_match, normalize_answer, token_f1
-from mot_cag.evaluation.runner import retention
+from mot_cag.evaluation.scoring import retention
 from mot_cag.prompts import extract_prediction, qa_suffix
 
 MODE_KEYS = {"exact_match", "f1", "accuracy", "token_accuracy", "nll", "kl_to_direct", "retrieval_recall",

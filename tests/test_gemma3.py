@@ -9,6 +9,7 @@ import torch
 
 from mot_cag.models import cache as kv
 from mot_cag.models.check import check_model
+from mot_cag.models.positions import Positioner, rotate_keys
 
 TEXT = ("Ana Brell was born in Corvale. Tomas Reddick works as a baker. Mira Hollen plays the violin. "
         "The favorite color of Ana Brell is green.")
@@ -51,7 +52,7 @@ def test_greedy_from_cache_matches_greedy_from_text(tiny_gemma3):
 def test_reposition_uses_each_layers_rope_base(tiny_gemma3):
     lm = tiny_gemma3
     ids = _ids(lm, special=False)
-    pos = kv.Positioner(lm.layout, lm.model.config)
+    pos = Positioner(lm.layout, lm.model.config)
     at0 = kv.prefill(lm.model, ids, start=0)
     for p in (5, 300):
         native = kv.prefill(lm.model, ids, start=p)
@@ -59,7 +60,7 @@ def test_reposition_uses_each_layers_rope_base(tiny_gemma3):
         torch.testing.assert_close(moved.keys, native.keys, atol=1e-4, rtol=0)
         torch.testing.assert_close(moved.values, native.values, atol=1e-4, rtol=0)
     # One base for all layers would be wrong here: the sliding layers' keys would not match.
-    single = kv.rotate_keys(at0.keys, 300, pos.inv_freq)
+    single = rotate_keys(at0.keys, 300, pos.inv_freq)
     assert (single[:5] - kv.prefill(lm.model, ids, start=300).keys[:5]).abs().max() > 1e-2
 
 
@@ -67,7 +68,7 @@ def test_joined_chunks_past_the_window_continue_like_chunks_prefilled_in_place(t
     lm = tiny_gemma3
     a = _ids(lm, "Ana Brell was born in Corvale. Tomas Reddick works as a baker.")
     b = _ids(lm, " Mira Hollen plays the violin. The favorite color of Ana Brell is green.", special=False)
-    pos = kv.Positioner(lm.layout, lm.model.config)
+    pos = Positioner(lm.layout, lm.model.config)
     joined = pos.concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
     reference = kv.join([kv.prefill(lm.model, a), kv.prefill(lm.model, b, start=a.shape[0])])
     q = _ids(lm, "\nQuestion: Where was Ana Brell born?", special=False)
@@ -82,7 +83,7 @@ def test_recomputing_every_token_equals_a_single_pass(tiny_gemma3):
     a = _ids(lm, "Ana Brell was born in Corvale. Tomas Reddick works as a baker.")
     b = _ids(lm, " Mira Hollen plays the violin. The favorite color of Ana Brell is green.", special=False)
     ids = torch.cat([a, b])
-    joined = kv.Positioner(lm.layout, lm.model.config).concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
+    joined = Positioner(lm.layout, lm.model.config).concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
     fixed = kv.selective_recompute(lm.model, joined, ids, range(ids.shape[0]))
     single = kv.prefill(lm.model, ids)
     torch.testing.assert_close(fixed.keys, single.keys, atol=1e-4, rtol=0)

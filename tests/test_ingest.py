@@ -11,9 +11,9 @@ import pytest
 import torch
 from clirun import run_cli
 
-from mot_cag import ingest as ingest_mod
 from mot_cag.errors import StoreError
 from mot_cag.ingest import ingest
+from mot_cag.ingest import run as ingest_mod
 from mot_cag.models import cache as kv
 from mot_cag.store import chunkfile
 from mot_cag.store.store import Store

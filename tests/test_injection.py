@@ -78,7 +78,8 @@ def test_translated_builder_picks_injection(tiny_models, tmp_path):
     pieces = [Piece(text, source_kv=src_kv)]
     auto = translated_builder(s, t, path, "auto")
     assert isinstance(auto, ReplayJointContext)
-    caches = {inj: translated_builder(s, t, path, inj).build(pieces) for inj in ("inject-all", "replay", "replay-joint")}
+    caches = {inj: translated_builder(s, t, path, inj).build(pieces)
+              for inj in ("inject-all", "replay", "replay-joint")}
     n = DirectContext(t).build(pieces).tokens
     for inj, ctx in caches.items():
         assert ctx.tokens == n and ctx.kv.length == n, inj

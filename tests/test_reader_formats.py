@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mot_cag.store.reader import PDF_INSTALL_HINT, discover, read_blocks
+from mot_cag.ingest.documents import PDF_INSTALL_HINT, discover, read_blocks
 
 PAGE = """<!DOCTYPE html>
 <html><head><title>Notes</title>

@@ -8,6 +8,7 @@ import torch
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models import recompute as rc
+from mot_cag.models.positions import Positioner
 from mot_cag.names import POSITIONAL_POLICIES
 
 FAMILIES = ["gpt2", "opt", "qwen2"]
@@ -24,7 +25,7 @@ def _two_pieces(lm):
     """``(ids, joined, boundary)``: two pieces prefilled separately at their global positions, joined."""
     a, b = _ids(lm, PIECES[0]), _ids(lm, PIECES[1])
     if lm.layout.positions == "rope":
-        second = kv.Positioner(lm.layout, lm.model.config).reposition(kv.prefill(lm.model, b), a.shape[0])
+        second = Positioner(lm.layout, lm.model.config).reposition(kv.prefill(lm.model, b), a.shape[0])
     else:
         second = kv.prefill(lm.model, b, start=a.shape[0])
     return torch.cat([a, b]), kv.join([kv.prefill(lm.model, a), second]), a.shape[0]

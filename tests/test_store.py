@@ -7,12 +7,12 @@ import hashlib
 import numpy as np
 import pytest
 
-from mot_cag.store.chunker import Chunker, split_pieces
+from mot_cag.ingest.chunker import Chunker, split_pieces
+from mot_cag.ingest.documents import discover, read_blocks
 from mot_cag.store.embed import HashEmbedder, canonical_name, make_embedder, minilm_path
 from mot_cag.store.format import chunk_key
 from mot_cag.store.index import VectorIndex
 from mot_cag.store.manifest import Manifest
-from mot_cag.store.reader import discover, read_blocks
 
 TEXT = (
     "Ana Brell was born in Corvale. The favorite color of Ana Brell is green.\n"

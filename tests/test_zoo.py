@@ -15,7 +15,7 @@ from mot_cag.zoo.models import ZOO, get_spec, model_dir
 from mot_cag.zoo.quick_eval import qa_metrics
 from mot_cag.zoo.train import (
     TOKENIZER_DIR,
-    TrainConfig,
+    ZooTrainConfig,
     build_model,
     export_model,
     load_checkpoint,
@@ -121,7 +121,7 @@ def test_zoo_size_budget():
 @pytest.mark.slow
 def test_few_training_steps_lower_the_loss(tmp_path):
     lines: list[str] = []
-    cfg = TrainConfig(
+    cfg = ZooTrainConfig(
         steps=50,
         tokens_per_step=512,
         eval_every=10_000,

@@ -120,7 +120,7 @@ def zoo_train(
     from transformers.utils import logging as hf_logging
 
     from mot_cag.zoo.models import model_dir
-    from mot_cag.zoo.train import RUNS_DIR, TrainConfig, export_latest, train
+    from mot_cag.zoo.train import RUNS_DIR, ZooTrainConfig, export_latest, train
 
     _zoo_spec(name)
     hf_logging.disable_progress_bar()
@@ -138,7 +138,7 @@ def zoo_train(
     for key, v in given.items():
         if v is not None and v <= 0:
             raise MotCagError(f"--{key.replace('_', '-')} must be positive, got {v}.")
-    cfg = TrainConfig(seed=seed, device=device, **{k: v for k, v in given.items() if v is not None})
+    cfg = ZooTrainConfig(seed=seed, device=device, **{k: v for k, v in given.items() if v is not None})
     export = Path(export_dir) if export_dir else runs / name / "export"
     state = train(name, cfg, runs, resume=not fresh, export_dir=export,
                   log=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True),

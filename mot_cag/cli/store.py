@@ -60,7 +60,7 @@ def ingest_cmd(
     from mot_cag.config import PipelineConfig
     from mot_cag.device import pick_device
     from mot_cag.ingest import ingest
-    from mot_cag.store.progress import RichIngestProgress
+    from mot_cag.ingest.progress import RichIngestProgress
 
     cfg = PipelineConfig.from_file(pipeline)
     with RichIngestProgress(err) as bar:

@@ -9,7 +9,7 @@ import torch
 
 from mot_cag.errors import MotCagError
 from mot_cag.evaluation.datasets import load_examples
-from mot_cag.evaluation.runner import Evaluator, ExampleResult, evaluate
+from mot_cag.evaluation.scoring import Evaluator, ExampleResult, evaluate
 from mot_cag.models.registry import LoadedModel, load_model
 from mot_cag.names import CONTEXT_MODES, INJECTIONS, ContextMode, Injection, RecomputePolicy, choose
 from mot_cag.pipeline.context import Piece, Recompute

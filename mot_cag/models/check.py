@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from mot_cag.models import cache as kv
+from mot_cag.models.positions import Positioner
 from mot_cag.models.registry import LoadedModel
 
 CHECK_TEXT = (
@@ -60,7 +61,7 @@ def check_model(lm: LoadedModel, text: str = CHECK_TEXT, tolerance: float = 1e-3
         third = half + (ids.shape[0] - half) // 2
         b_at_0 = kv.prefill(lm.model, ids[half:third], start=0)
         b_native = kv.prefill(lm.model, ids[half:third], start=half)
-        moved = kv.Positioner(lm.layout, lm.model.config).reposition(b_at_0, half)
+        moved = Positioner(lm.layout, lm.model.config).reposition(b_at_0, half)
         repo_diff = max(
             (moved.keys - b_native.keys).abs().max().item(),
             (moved.values - b_native.values).abs().max().item(),

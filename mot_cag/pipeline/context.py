@@ -28,6 +28,7 @@ import torch
 
 from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
+from mot_cag.models.positions import Positioner
 from mot_cag.models.registry import LoadedModel
 from mot_cag.names import CONTEXT_MODES, RECOMPUTE_POLICIES, ContextMode, RecomputePolicy, choose
 from mot_cag.prompts import PromptFormat, as_tensor, encode, prefixes_chunks, prompt_format
@@ -198,7 +199,7 @@ class ContextBuilder:
         self.device = target.device
         self.prompt = prompt or prompt_format(target)
         self.head = list(self.prompt.head)
-        self.positioner = kv.Positioner(target.layout, target.model.config)
+        self.positioner = Positioner(target.layout, target.model.config)
         self._head_kv: kv.KVChunk | None = None
 
     def build(self, pieces: list[Piece]) -> TargetContext:  # pragma: no cover - abstract

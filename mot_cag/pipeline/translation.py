@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from mot_cag.errors import MotCagError
-from mot_cag.models.cache import KVChunk, Positioner
+from mot_cag.models.cache import KVChunk
+from mot_cag.models.positions import Positioner
 from mot_cag.models.registry import LoadedModel
 from mot_cag.names import INJECTIONS, choose
 from mot_cag.pipeline.context import (
@@ -143,7 +144,7 @@ def translated_builder(
     injection = choose("injection", injection, INJECTIONS)
     if same_model(source, target):
         # A prefixed store's chunks are the text and the prompt's separator, prefilled after the head
-        # (mot_cag.ingest); a prefix-free one holds the text alone.
+        # (mot_cag.ingest.run); a prefix-free one holds the text alone.
         prefixed = None if chunk_prefix is None else bool(chunk_prefix)
         builder = TranslatedContext(target, piece_translator(source, target), cache, recompute, prefixed=prefixed,
                                     separated=bool(chunk_prefix))

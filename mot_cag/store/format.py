@@ -178,3 +178,24 @@ def write_json_atomic(path: Path, data: dict) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """One chunk of a document.
+
+    Attributes:
+        index: Position of the chunk in its document (0, 1, ...).
+        text: The chunk's text, ``document[char_start:char_end]``.
+        char_start: Offset of the first character in the document.
+        char_end: Offset just past the last character.
+        token_ids: Source-model token ids of ``text`` without special tokens.
+        last: Whether this is the document's final chunk.
+    """
+
+    index: int
+    text: str
+    char_start: int
+    char_end: int
+    token_ids: tuple[int, ...]
+    last: bool = False

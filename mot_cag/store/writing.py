@@ -13,8 +13,7 @@ from pathlib import Path
 from mot_cag.errors import StoreError
 from mot_cag.models.cache import KVChunk
 from mot_cag.store import chunkfile
-from mot_cag.store.chunker import TextChunk
-from mot_cag.store.format import CHUNKS_DIR, DOCS_DIR, chunk_relpath, meta_checksum, prefix_digest
+from mot_cag.store.format import CHUNKS_DIR, DOCS_DIR, TextChunk, chunk_relpath, meta_checksum, prefix_digest
 from mot_cag.store.manifest import ChunkRow, DocChunk
 from mot_cag.store.verify import check_chunk_file
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from mot_cag.errors import TranslatorError
-from mot_cag.models.cache import KVChunk, forward, replay_forward, rotate_keys
+from mot_cag.models.cache import KVChunk, forward, replay_forward
+from mot_cag.models.positions import rotate_keys
 from mot_cag.names import INJECTIONS, choose
 from mot_cag.translate.alignment import leading_unaligned
 from mot_cag.translate.mot import Translator

@@ -341,7 +341,7 @@ def _default_inv_freq(layout: KVLayout) -> torch.Tensor:
     """RoPE inverse frequencies from a layout (default RoPE); empty for absolute positions."""
     if layout.positions != "rope":
         return torch.zeros(0)
-    from mot_cag.models.cache import Positioner
+    from mot_cag.models.positions import Positioner
 
     return Positioner(layout).inv_freq.float().clone()
 

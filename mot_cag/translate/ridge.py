@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mot_cag.models.cache import rotate_keys
+from mot_cag.models.positions import rotate_keys
 from mot_cag.translate.alignment import leading_unaligned
 from mot_cag.translate.inject import source_window, target_embeddings
 from mot_cag.translate.mot import MixtureOfTranslators, Translator, build_translator, position_features

@@ -216,7 +216,8 @@ def prepare_example(source, target, pair: Pair, max_context_tokens: int = 384, s
         native_ctx = prefill(target.model, al.tgt_ids.to(target.device), start=start)
         logits, native_full = forward(target.model, cont_ids.to(target.device), native_ctx)
         return Example(src_chunk.to(target.device), al.W, al.tgt_ids, cont_ids, start, native_full, logits)
-    from mot_cag.models.cache import Positioner, join, prefill_after
+    from mot_cag.models.cache import join, prefill_after
+    from mot_cag.models.positions import Positioner
 
     made = prefill_after(source.model, al.src_ids.to(source.device), heads.source)
     src_chunk = Positioner(source.layout, source.model.config).reposition(made, 0)

@@ -40,7 +40,7 @@ RUNS_DIR = Path("runs") / "zoo"
 
 
 @dataclass
-class TrainConfig:
+class ZooTrainConfig:
     """Run settings of the recipe (saved in the run state and the model card)."""
 
     steps: int = 6000
@@ -156,7 +156,7 @@ def _loss(model, batch: dict, autocast: bool) -> tuple[torch.Tensor, dict]:
 
 def train(
     name: str,
-    cfg: TrainConfig,
+    cfg: ZooTrainConfig,
     runs_dir: Path | None = None,
     resume: bool = True,
     export_dir: Path | None = None,
@@ -359,15 +359,16 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry: ``python -m mot_cag.zoo.train NAME [--steps N] [--fresh] [--export-only]``."""
     ap = argparse.ArgumentParser(description="Train (or resume) a zoo model with the recipe.")
     ap.add_argument("name")
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
-    ap.add_argument("--tokens-per-step", type=int, default=TrainConfig.tokens_per_step)
+    ap.add_argument("--steps", type=int, default=ZooTrainConfig.steps)
+    ap.add_argument("--tokens-per-step", type=int, default=ZooTrainConfig.tokens_per_step)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=TrainConfig.threads)
+    ap.add_argument("--threads", type=int, default=ZooTrainConfig.threads)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    ap.add_argument("--eval-every", type=int, default=ZooTrainConfig.eval_every)
     ap.add_argument(
-        "--long-every", type=int, default=TrainConfig.long_every, help="every n-th step trains on ~1000-token documents"
+        "--long-every", type=int, default=ZooTrainConfig.long_every,
+        help="every n-th step trains on ~1000-token documents"
     )
     ap.add_argument("--runs-dir", type=Path, default=None)
     ap.add_argument(
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.export_only:
         print(export_latest(a.name, a.runs_dir, a.export_dir))
         return
-    cfg = TrainConfig(
+    cfg = ZooTrainConfig(
         steps=a.steps,
         tokens_per_step=a.tokens_per_step,
         lr=a.lr,

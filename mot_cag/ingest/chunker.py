@@ -18,34 +18,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+
+from mot_cag.store.format import TextChunk
 
 #: A piece ends after a sentence end followed by whitespace, or after a run of line breaks.
 _BOUNDARY = re.compile(r"[.!?…][\"'”’)\]]*[ \t]+|\s*\n\s*")
 
 #: A piece with no boundary for this many characters is force-cut (at whitespace when there is some).
 _MAX_PIECE_CHARS = 1 << 15
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    """One chunk of a document.
-
-    Attributes:
-        index: Position of the chunk in its document (0, 1, ...).
-        text: The chunk's text, ``document[char_start:char_end]``.
-        char_start: Offset of the first character in the document.
-        char_end: Offset just past the last character.
-        token_ids: Source-model token ids of ``text`` without special tokens.
-        last: Whether this is the document's final chunk.
-    """
-
-    index: int
-    text: str
-    char_start: int
-    char_end: int
-    token_ids: tuple[int, ...]
-    last: bool = False
 
 
 def split_pieces(blocks: Iterable[str], max_piece_chars: int = _MAX_PIECE_CHARS) -> Iterator[tuple[int, str]]:

@@ -32,13 +32,14 @@ import torch
 
 from mot_cag.config import PipelineConfig
 from mot_cag.errors import StoreError
-from mot_cag.models.cache import KVChunk, Positioner, prefill, prefill_after
-from mot_cag.store.chunker import Chunker
+from mot_cag.ingest.chunker import Chunker
+from mot_cag.ingest.documents import SkippedFile, SourceFile, discover, file_sha256, read_blocks
+from mot_cag.models.cache import KVChunk, prefill, prefill_after
+from mot_cag.models.positions import Positioner
 from mot_cag.store.embed import canonical_name, make_embedder
 from mot_cag.store.format import DEFAULT_STORE, LOCK_FILE, StoreConfig, StoreSource, chunk_key
 from mot_cag.store.lock import WriterLock
 from mot_cag.store.manifest import DocChunk
-from mot_cag.store.reader import SkippedFile, SourceFile, discover, file_sha256, read_blocks
 from mot_cag.store.store import Store
 from mot_cag.store.writing import WrittenChunk
 
