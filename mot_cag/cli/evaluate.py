@@ -152,7 +152,8 @@ def train_cmd(
     window_width: Annotated[int | None, typer.Option(help="Injected layers (replay).")] = None,
     token_features: Annotated[bool, typer.Option(
         "--token-features", help="Feed the target's token embeddings to the experts (inject-all).")] = False,
-    prev_tokens: Annotated[int, typer.Option(help="Previous tokens whose features the experts also read.")] = 0,
+    prev_token: Annotated[int, typer.Option("--prev-token", "--prev-tokens",
+                                            help="Previous tokens whose features the experts also read.")] = 0,
     token_rank: Annotated[int, typer.Option(
         help="With --token-features: project the embeddings onto this many principal directions (0 = full "
              "width; a smaller translator file).")] = 0,
@@ -175,19 +176,21 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it."""
-    from mot_cag.translate.train import TrainConfig, TrainRequest, run_training
+    from mot_cag.translate.recipe import TrainRequest, run_training
+    from mot_cag.translate.spec import TranslatorSpec
+    from mot_cag.translate.train import TrainConfig
 
     try:
         cfg = TrainConfig(steps=steps, batch=batch, lr=lr, ce=ce, ccl=ccl, kl=kl, init=init, seed=seed, data=data,
                           chunk_prefix=chunk_prefix, calibration_tokens=calibration_tokens)
+        spec = TranslatorSpec(kind=kind, coverage=choose("injection", old_mode or injection, COVERAGES),
+                              expert=expert, experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
+                              window_width=window_width, token_features=token_features, prev_token=prev_token,
+                              token_rank=token_rank)
     except ValueError as e:
         raise MotCagError(str(e)) from None
-    coverage = choose("injection", old_mode or injection, COVERAGES)
-    req = TrainRequest(source=source, target=target, out=out_dir, kind=kind, coverage=coverage, expert=expert,
-                       experts=experts, top_k=top_k, hidden=hidden, window_start=window_start,
-                       window_width=window_width, token_features=token_features, prev_token=prev_tokens,
-                       token_rank=token_rank,
-                       eval_examples=eval_examples, device=device, half=half, train=cfg)
+    req = TrainRequest(source=source, target=target, spec=spec, train=cfg, out=out_dir,
+                       eval_examples=eval_examples, device=device, half=half)
 
     def log(r: dict) -> None:  # progress goes to stderr, so --json output on stdout stays clean
         err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "

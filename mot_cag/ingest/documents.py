@@ -117,18 +117,25 @@ def discover(paths: Iterable[str | Path]) -> tuple[list[SourceFile], list[Skippe
         if not root.exists():
             skipped.append(SkippedFile(str(root), "does not exist"))
         elif root.is_dir():
-            if not os.access(root, os.R_OK | os.X_OK):
-                skipped.append(SkippedFile(str(root), "folder not readable"))
-                continue
-            for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: skipped.append(
-                    SkippedFile(str(e.filename), "folder not readable"))):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                for name in sorted(filenames):
-                    if not name.startswith("."):
-                        consider(Path(dirpath) / name)
+            for path in _walk(root, skipped):
+                consider(path)
         else:
             consider(root)
     return files, skipped
+
+
+def _walk(root: Path, skipped: list[SkippedFile]) -> Iterator[Path]:
+    """The files under folder ``root`` in sorted order, hidden names left out; unreadable folders go to
+    ``skipped``."""
+    if not os.access(root, os.R_OK | os.X_OK):
+        skipped.append(SkippedFile(str(root), "folder not readable"))
+        return
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: skipped.append(
+            SkippedFile(str(e.filename), "folder not readable"))):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield Path(dirpath) / name
 
 
 def _unusable(path: Path) -> str | None:

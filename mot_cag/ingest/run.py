@@ -39,7 +39,7 @@ from mot_cag.models.positions import Positioner
 from mot_cag.store.embed import canonical_name, make_embedder
 from mot_cag.store.format import DEFAULT_STORE, LOCK_FILE, StoreConfig, StoreSource, chunk_key
 from mot_cag.store.lock import WriterLock
-from mot_cag.store.manifest import DocChunk
+from mot_cag.store.manifest import DocChunk, DocumentVersion
 from mot_cag.store.store import Store
 from mot_cag.store.writing import WrittenChunk
 
@@ -115,6 +115,31 @@ def _nothing_to_do(paths: list[str], skipped: list[SkippedFile]) -> StoreError:
                       "files with some text.")
 
 
+@dataclass
+class IngestRequest:
+    """What one :func:`ingest` call asks for, resolved once and passed whole to the locked part and the run.
+
+    Attributes: as :func:`ingest`'s arguments; ``pipeline`` already carries ``chunk_prefix``, and
+    ``sync_roots`` are the folders whose missing documents are removed (empty: no sync).
+    """
+
+    source: str | None
+    chunk_tokens: int | None
+    dtype: str | None
+    embedder: str | None
+    device: torch.device | str
+    lock_timeout: float | None
+    progress: IngestProgress | None
+    index_save_every_s: float
+    pipeline: PipelineConfig
+    sync_roots: list[str]
+
+    @property
+    def note(self) -> Callable[[str], None] | None:
+        """Where one-line notes go (the progress receiver's), if anywhere."""
+        return self.progress.note if self.progress is not None else None
+
+
 def ingest(
     paths: Iterable[str | Path],
     store: str | Path = DEFAULT_STORE,
@@ -171,13 +196,12 @@ def ingest(
         if have != chunk_prefix:
             raise StoreError(f"Store {root} was made with --chunk-prefix {have}; a store keeps its prefix: drop "
                              "--chunk-prefix or ingest into a new store.")
-    note = progress.note if progress is not None else None
+    req = IngestRequest(source, chunk_tokens, dtype, embedder, device, lock_timeout, progress, index_save_every_s,
+                        (pipeline or PipelineConfig()).override(chunk_prefix=chunk_prefix),
+                        [p for p in paths if Path(p).is_dir()] if sync else [])
     fresh = not root.exists()
     try:
-        result = _ingest_locked(files, skipped, root, source, chunk_tokens, dtype, embedder, device, lock_timeout,
-                                progress, index_save_every_s,
-                                (pipeline or PipelineConfig()).override(chunk_prefix=chunk_prefix),
-                                sync_roots=[p for p in paths if Path(p).is_dir()] if sync else [])
+        result = _ingest_locked(files, skipped, root, req)
     finally:
         if fresh and not Store.exists(root):
             # Nothing was created (the model was missing, say): leave no empty store folder behind.
@@ -185,34 +209,30 @@ def ingest(
             with contextlib.suppress(OSError):
                 root.rmdir()
     for s in result.skipped_files:
-        if note is not None:
-            note(f"skipped {s.path}: {s.reason}")
+        if req.note is not None:
+            req.note(f"skipped {s.path}: {s.reason}")
     if result.documents == 0:
         raise _nothing_to_do(paths, result.skipped_files)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Path, source: str | None,
-                   chunk_tokens: int | None, dtype: str | None, embedder: str | None, device: torch.device | str,
-                   lock_timeout: float | None, progress: IngestProgress | None,
-                   index_save_every_s: float, pipeline: PipelineConfig,
-                   sync_roots: list[str] | None = None) -> IngestResult:
+def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Path, req: IngestRequest) -> IngestResult:
     """The part of :func:`ingest` that runs under the writer lock."""
     from mot_cag.models.layout import KVLayout
     from mot_cag.models.registry import fingerprint, load_config, load_model
 
-    note = progress.note if progress is not None else None
-    with WriterLock(root, timeout=lock_timeout, on_wait=note):
+    pipeline = req.pipeline
+    with WriterLock(root, timeout=req.lock_timeout, on_wait=req.note):
         existing = Store.read_config(root) if Store.exists(root) else None
         # The pipeline only fills in a new store: an existing one keeps the settings it was made with.
-        src_name = source or (existing.source.name if existing else pipeline.source)
+        src_name = req.source or (existing.source.name if existing else pipeline.source)
         ref, hf_config = load_config(src_name)
         try:
             layout = KVLayout.from_config(hf_config)
         except ValueError as e:
             raise StoreError(str(e)) from None
-        emb_name = canonical_name(embedder) if embedder else (
+        emb_name = canonical_name(req.embedder) if req.embedder else (
             existing.embedder if existing else canonical_name(pipeline.embedder))
         # A new store records the embedding size, so the embedder must be loaded now; an existing one knows it.
         emb = make_embedder(emb_name) if existing is None else None
@@ -221,24 +241,23 @@ def _ingest_locked(files: list[SourceFile], skipped: list[SkippedFile], root: Pa
         config = StoreConfig(
             # A local folder is recorded absolute so the store names a model that resolves from anywhere.
             StoreSource(str(ref.path) if ref.origin == "local" else src_name, fingerprint(ref.path), layout),
-            dtype=dtype or (existing.dtype if existing else pipeline.kv_dtype),
+            dtype=req.dtype or (existing.dtype if existing else pipeline.kv_dtype),
             embedder=emb_name,
             embed_dim=emb.dim if emb is not None else existing.embed_dim,  # type: ignore[union-attr]
-            chunk_tokens=existing.chunk_tokens if existing else (chunk_tokens or pipeline.chunk_tokens),
+            chunk_tokens=existing.chunk_tokens if existing else (req.chunk_tokens or pipeline.chunk_tokens),
             chunk_prefix=prefix_kind,
             prefix_ids=prefix_ids,
         )
         with Store.open_for_write(root, config, embedder=emb) as st:
             # The store keeps the name it was made with: `--source` may be another alias of the same weights.
             result = IngestResult(store=str(root), source=st.source.name, skipped_files=skipped)
-            run = _Run(st, src_name, chunk_tokens or config.chunk_tokens, device, progress, result,
-                       index_save_every_s, load_model)
+            run = _Run(st, req, src_name, req.chunk_tokens or config.chunk_tokens, result, load_model)
             try:
                 st.remove_temp_files()
                 st.sync_index(write=True)
                 run.all(files)
-                if sync_roots:
-                    _drop_missing(st, sync_roots, files, result, note)
+                if req.sync_roots:
+                    _drop_missing(st, req.sync_roots, files, result, req.note)
             finally:
                 run.close()
                 # Also on Ctrl-C: what is committed gets indexed on disk now rather than on the next open.
@@ -289,18 +308,6 @@ def chunk_prefix_for(source: str, kind: str, layout) -> tuple[str, tuple[int, ..
     return "prompt", fmt.head
 
 
-@dataclass
-class _PendingDoc:
-    """A document whose chunk files exist, waiting for the batch commit that makes it visible."""
-
-    path: str
-    sha256: str
-    size: int
-    mtime_ns: int
-    places: list[DocChunk]
-    tokens: int
-
-
 class _Run:
     """State of one ingest run over a list of files.
 
@@ -308,8 +315,8 @@ class _Run:
     ``ROW_BATCH`` chunks, at most every ``FLUSH_S`` seconds and at the end, one filesystem sync makes the
     batch durable, then its manifest rows are committed, then the documents it completes. So a row never
     points at a file that a power cut could lose, and a file without a row (written after the last sync) is
-    checked in full and adopted, or prefilled again, by the next run. One sync per batch instead of two
-    fsyncs per file made ingest of the tiny zoo models about 1.4x faster on ext4.
+    checked in full and adopted, or prefilled again, by the next run. One sync per batch costs less than two
+    fsyncs per file (measured: benchmarks/results/README.md).
     """
 
     #: Chunk files per group commit.
@@ -319,11 +326,11 @@ class _Run:
     #: Committed chunks embedded together.
     EMBED_BATCH = 64
 
-    def __init__(self, st: Store, src_name: str, chunk_tokens: int, device: torch.device | str,
-                 progress: IngestProgress | None, result: IngestResult, save_every: float,
+    def __init__(self, st: Store, req: IngestRequest, src_name: str, chunk_tokens: int, result: IngestResult,
                  load_model: Callable[..., LoadedModel]):
-        self.st, self.src_name, self.chunk_tokens, self.device = st, src_name, chunk_tokens, device
-        self.progress, self.result, self.save_every, self._load_model = progress, result, save_every, load_model
+        self.st, self.src_name, self.chunk_tokens, self.device = st, src_name, chunk_tokens, req.device
+        self.progress, self.result, self.save_every, self._load_model = (req.progress, result,
+                                                                         req.index_save_every_s, load_model)
         self.lm = None
         self.prefix_kv: KVChunk | None = None  # the store's chunk prefix, prefilled once
         self.separator = ""  # what follows every chunk as it is read (prefixed stores)
@@ -333,7 +340,7 @@ class _Run:
         self.chunks_seen = 0
         self.written: list[WrittenChunk] = []  # files in place, not yet synced nor in the manifest
         self.batch_keys: set[str] = set()
-        self.pending_docs: list[_PendingDoc] = []
+        self.pending_docs: list[DocumentVersion] = []
         self.unembedded = 0
 
     def _model(self):
@@ -365,8 +372,7 @@ class _Run:
     def flush(self, final: bool = False) -> None:
         """Group commit: write document records, sync the filesystem, commit chunk rows, then documents."""
         st = self.st
-        records = [st.write_document_record(d.path, d.sha256, d.size, d.mtime_ns, d.places, d.tokens,
-                                            durable=False) for d in self.pending_docs]
+        records = [st.write_document_record(d, durable=False) for d in self.pending_docs]
         if self.written or records:
             st.sync_files([st.root / w.file for w in self.written] + records)
         st.commit_chunks(self.written)
@@ -376,8 +382,7 @@ class _Run:
             st.embed_pending()
             self.unembedded = 0
         for d in self.pending_docs:
-            self.result.chunks_removed += st.put_document(d.path, d.sha256, d.size, d.mtime_ns, d.places, d.tokens,
-                                                          write_record=False)
+            self.result.chunks_removed += st.put_document(d, write_record=False)
         self.pending_docs = []
         self.last_flush = time.monotonic()
 
@@ -409,23 +414,30 @@ class _Run:
                 self.last_save = time.monotonic()
         self.flush(final=True)
 
+    def _unchanged(self, f: SourceFile) -> bool:
+        """Count ``f`` as skipped when the store holds it as it is now (same size and mtime, or same content:
+        then its new mtime is recorded)."""
+        st, res = self.st, self.result
+        doc = st.manifest.document(str(f.path))
+        if doc is None:
+            return False
+        if not (doc.size == f.size and doc.mtime_ns == f.mtime_ns):
+            if doc.sha256 != file_sha256(f.path):
+                return False
+            with st.manifest.transaction():
+                st.manifest.touch_document(doc.id, f.mtime_ns)
+        res.documents += 1
+        res.documents_unchanged += 1
+        res.chunks_skipped += doc.chunks
+        res.tokens += doc.tokens
+        self.chunks_seen += doc.chunks
+        return True
+
     def one(self, f: SourceFile) -> None:
+        if self._unchanged(f):
+            return
         st, res = self.st, self.result
         docpath = str(f.path)
-        doc = st.manifest.document(docpath)
-        if doc is not None:
-            same = doc.size == f.size and doc.mtime_ns == f.mtime_ns
-            if not same and doc.sha256 == file_sha256(f.path):
-                with st.manifest.transaction():
-                    st.manifest.touch_document(doc.id, f.mtime_ns)
-                same = True
-            if same:
-                res.documents += 1
-                res.documents_unchanged += 1
-                res.chunks_skipped += doc.chunks
-                res.tokens += doc.tokens
-                self.chunks_seen += doc.chunks
-                return
         lm = self._model()
         assert self.chunker is not None
         hasher = hashlib.sha256()
@@ -461,7 +473,7 @@ class _Run:
         if not places:
             res.skipped_files.append(SkippedFile(docpath, "empty"))
             return
-        self.pending_docs.append(_PendingDoc(docpath, hasher.hexdigest(), f.size, f.mtime_ns, places, tokens))
+        self.pending_docs.append(DocumentVersion(docpath, hasher.hexdigest(), f.size, f.mtime_ns, places, tokens))
         res.documents += 1
         res.tokens += tokens
         self._maybe_flush()

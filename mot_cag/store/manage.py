@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mot_cag.errors import StoreError
 from mot_cag.store import chunkfile
-from mot_cag.store.format import CHUNKS_DIR, DOCS_DIR
+from mot_cag.store.format import DOCS_DIR
 from mot_cag.store.lock import WriterLock
 from mot_cag.store.store import Store
 
@@ -79,10 +79,9 @@ def drop_documents(st: Store, paths: list[str], removed: Removed | None = None) 
 
 def _unlink_chunks(st: Store, rows, removed: Removed) -> None:
     for row in rows:
-        f = st.root / row.file
-        if f.is_file():
-            removed.bytes_freed += f.stat().st_size
-            f.unlink()
+        if st.chunks.contains(row.key):
+            removed.bytes_freed += st.chunks.size(row.key)
+            st.chunks.delete(row.key)
             removed.chunk_files += 1
     removed.chunks += len(rows)
 
@@ -122,11 +121,15 @@ def gc(store: str | Path, lock_timeout: float | None = None) -> Removed:
             gone = m.delete_chunks(m.unreferenced_chunks())
         _unlink_chunks(st, gone, removed)
         known = {r.key for r in m.iter_chunks()}
-        for f in sorted((root / CHUNKS_DIR).glob("*/*.safetensors")):
-            if f.stem not in known:
-                removed.bytes_freed += f.stat().st_size
-                f.unlink()
+        for key in list(st.chunks.keys()):
+            if key not in known:
+                removed.bytes_freed += st.chunks.size(key)
+                st.chunks.delete(key)
                 removed.chunk_files += 1
+        for f in st.chunks.misplaced():
+            removed.bytes_freed += f.stat().st_size
+            f.unlink()
+            removed.chunk_files += 1
         for rec in sorted((root / DOCS_DIR).glob("*.json")):
             try:
                 path = json.loads(rec.read_text(encoding="utf-8"))["path"]

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +107,34 @@ class DocChunk:
     key: str
     char_start: int
     char_end: int
+
+
+@dataclass(frozen=True)
+class DocumentVersion:
+    """One version of a document as ingest cut it: what the manifest row, its chunk places and the JSON
+    document record (``documents/<id>.json``, what a rebuild restores from) all hold."""
+
+    path: str
+    sha256: str
+    size: int
+    mtime_ns: int
+    chunks: list[DocChunk]
+    tokens: int
+
+    def to_record(self) -> dict:
+        """JSON form of the document record."""
+        return {"path": self.path, "sha256": self.sha256, "size": self.size, "mtime_ns": self.mtime_ns,
+                "tokens": self.tokens, "chunks": [asdict(c) for c in self.chunks]}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> DocumentVersion:
+        """Inverse of :meth:`to_record`.
+
+        Raises:
+            KeyError, TypeError: The record lacks a field or has the wrong shape.
+        """
+        chunks = [DocChunk(c["index"], c["key"], c["char_start"], c["char_end"]) for c in rec["chunks"]]
+        return cls(rec["path"], rec["sha256"], rec["size"], rec["mtime_ns"], chunks, rec["tokens"])
 
 
 @dataclass(frozen=True)
@@ -285,20 +313,20 @@ class Manifest:
             "SELECT d.path, c.chunk_index, c.chunk_key, c.char_start, c.char_end FROM doc_chunks c "
             "JOIN documents d ON d.id = c.doc_id WHERE c.chunk_key = ? ORDER BY d.path, c.chunk_index", (key,))]
 
-    def put_document(self, path: str, sha256: str, size: int, mtime_ns: int, chunks: list[DocChunk],
-                     tokens: int) -> list[str]:
+    def put_document(self, doc: DocumentVersion) -> list[str]:
         """Insert or replace a complete document; returns the chunk keys its previous version used."""
-        old = self.document(path)
+        old = self.document(doc.path)
         old_keys: list[str] = []
         if old is not None:
             old_keys = [c.key for c in self.doc_chunks(old.id)]
             self.db.execute("DELETE FROM documents WHERE id = ?", (old.id,))
         cur = self.db.execute(
             "INSERT INTO documents (path, sha256, size, mtime_ns, chunks, tokens, ingested_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)", (path, sha256, size, mtime_ns, len(chunks), tokens, time.time()))
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (doc.path, doc.sha256, doc.size, doc.mtime_ns, len(doc.chunks), doc.tokens, time.time()))
         doc_id = cur.lastrowid
         self.db.executemany("INSERT INTO doc_chunks VALUES (?, ?, ?, ?, ?)",
-                            [(doc_id, c.index, c.key, c.char_start, c.char_end) for c in chunks])
+                            [(doc_id, c.index, c.key, c.char_start, c.char_end) for c in doc.chunks])
         return old_keys
 
     def touch_document(self, doc_id: int, mtime_ns: int) -> None:

@@ -17,9 +17,9 @@ import torch
 from mot_cag.errors import StoreError
 from mot_cag.models.cache import KVChunk
 from mot_cag.store import chunkfile
+from mot_cag.store.backend import DiskChunks, disk_has_chunks
 from mot_cag.store.embed import Embedder, make_embedder
 from mot_cag.store.format import (
-    CHUNKS_DIR,
     CONFIG_FILE,
     DEFAULT_STORE,
     MANIFEST_FILE,
@@ -69,6 +69,7 @@ class Store(Searching, Writing, Verifying):
         self.root = root
         self.config = config
         self.manifest = manifest
+        self.chunks: DiskChunks = DiskChunks(root)  # the chunk files (store/backend.py)
         self._embedder = embedder
         self._index: VectorIndex | None = None
         self._index_state: tuple[int, int] | None = None
@@ -112,7 +113,7 @@ class Store(Searching, Writing, Verifying):
         root = Path(path)
         config = cls.read_config(root)
         mpath = root / MANIFEST_FILE
-        if not mpath.is_file() and any((root / CHUNKS_DIR).glob("*/*.safetensors")):
+        if not mpath.is_file() and disk_has_chunks(root):
             raise StoreError(f"Store {root} has chunk files but no manifest; rebuild it with "
                              f"`mot-cag store verify --repair --store {root}`.")
         try:
@@ -154,8 +155,9 @@ class Store(Searching, Writing, Verifying):
         return cls.open(root, embedder)
 
     def close(self) -> None:
-        """Close the manifest."""
+        """Close the manifest and the chunk backend."""
         self.manifest.close()
+        self.chunks.close()
 
     def __enter__(self) -> Store:
         return self
@@ -182,7 +184,7 @@ class Store(Searching, Writing, Verifying):
 
     def file(self, key: str) -> Path:
         """Absolute path of chunk ``key``'s file."""
-        return self.root / chunk_relpath(key)
+        return self.chunks.path(key)
 
     def info(self) -> dict:
         """Totals for ``mot-cag store info --json``: documents, chunks, tokens, bytes, source, bytes_per_token.
@@ -219,9 +221,9 @@ class Store(Searching, Writing, Verifying):
         Raises:
             StoreError: Unknown key, missing or damaged file.
         """
-        path = f"{self.root}/{chunk_relpath(key)}"  # a string: building a Path costs more than the stat
+        path = f"{self.root}/{chunk_relpath(key)}"  # for messages
         try:
-            tensors, meta = chunkfile.read_chunk_tensors(path, None if verify else chunkfile.KV_TENSORS)
+            tensors, meta = self.chunks.get(key, None if verify else chunkfile.KV_TENSORS)
         except chunkfile.ChunkFileMissing:
             raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "
                              f"`mot-cag store verify --store {self.root}`.") from None
@@ -245,7 +247,7 @@ class Store(Searching, Writing, Verifying):
         """
         path = self.file(key)
         try:
-            ids, text, meta = chunkfile.read_content(path)
+            ids, text, meta = self.chunks.content(key)
             start = int(meta["start"])
         except chunkfile.ChunkFileMissing:
             raise StoreError(f"Chunk {key} is not in store {self.root} (file {path} missing); run "

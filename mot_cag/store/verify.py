@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from mot_cag.errors import StoreError
 from mot_cag.store import chunkfile
 from mot_cag.store.format import (
-    CHUNKS_DIR,
     DEFAULT_STORE,
     DOCS_DIR,
     INDEX_FILE,
@@ -28,7 +27,7 @@ from mot_cag.store.format import (
 )
 from mot_cag.store.index import VectorIndex
 from mot_cag.store.lock import WriterLock
-from mot_cag.store.manifest import DocChunk, Manifest
+from mot_cag.store.manifest import DocumentVersion, Manifest
 
 if TYPE_CHECKING:
     from mot_cag.store.store import Store
@@ -91,25 +90,49 @@ class Verifying:
         if qc != "ok":
             report.problems.append(Problem("manifest", str(self.root / MANIFEST_FILE), qc))
         rows = list(self.manifest.iter_chunks())
+        bad = self._check_rows(report, rows, progress)
+        self._note_stray_files(report, {r.key for r in rows})
+        self._note_index(report, {r.id for r in rows})
+        if repair:
+            self._repair(report, bad)
+        return report
+
+    def check_chunk(self, key: str, row_checksum: str | None = None) -> str | None:
+        """Why stored chunk ``key`` is not a valid copy (see :func:`check_chunk_file`), or ``None``."""
+        try:
+            tensors, meta = self.chunks.get(key)
+        except StoreError:
+            return "unreadable header (not a safetensors chunk)"
+        return check_chunk_tensors(tensors, meta, key, self.source, row_checksum, self.config.prefix_ids)
+
+    def _check_rows(self, report: VerifyReport, rows: list, progress: Callable[[int, int], None] | None) -> list[str]:
+        """Check the file of every manifest row; report and return the keys of missing or damaged ones."""
         bad: list[str] = []
         for n, row in enumerate(rows, 1):
-            path = self.root / row.file
-            reason = "file missing" if not path.is_file() else check_chunk_file(
-                path, row.key, self.source, row.checksum, self.config.prefix_ids)
+            reason = "file missing" if not self.chunks.contains(row.key) else self.check_chunk(row.key, row.checksum)
             if reason is not None:
                 bad.append(row.key)
                 report.problems.append(Problem("missing" if reason == "file missing" else "damaged", row.key,
-                                               f"{path}: {reason}"))
+                                               f"{self.file(row.key)}: {reason}"))
             report.chunks_checked = n
             if progress is not None:
                 progress(n, len(rows))
-        known = {r.key for r in rows}
-        for f in sorted((self.root / CHUNKS_DIR).glob("*/*")):
-            if f.name.endswith(".tmp"):
-                report.notes.append(Problem("temp", str(f), "leftover temporary file of an interrupted write"))
-            elif f.suffix == ".safetensors" and f.stem not in known:
-                report.notes.append(Problem("orphan", f.stem, f"{f}: chunk file with no manifest row (an "
-                                                              "interrupted ingest; the next ingest adopts it)"))
+        return bad
+
+    def _note_stray_files(self, report: VerifyReport, known: set[str]) -> None:
+        """Note temporary files and chunk files without a manifest row (not damage: an interrupted write)."""
+        for f in self.chunks.temp_files():
+            report.notes.append(Problem("temp", f, "leftover temporary file of an interrupted write"))
+        for path in self.chunks.misplaced():
+            report.notes.append(Problem("temp", str(path), "chunk file outside the folder its name belongs in "
+                                                           "(never read)"))
+        for key in self.chunks.keys():
+            if key not in known:
+                report.notes.append(Problem("orphan", key, f"{self.file(key)}: chunk file with no manifest row (an "
+                                                           "interrupted ingest; the next ingest adopts it)"))
+
+    def _note_index(self, report: VerifyReport, ids: set[int]) -> None:
+        """Note an index on disk that is unreadable or out of step with the manifest (rebuilt on open)."""
         index_path = self.root / INDEX_FILE
         try:
             on_disk = set(VectorIndex.load(index_path, self.config.embed_dim).ids().tolist()) \
@@ -117,43 +140,39 @@ class Verifying:
         except Exception as e:  # noqa: BLE001
             on_disk = set()
             report.notes.append(Problem("index", str(index_path), f"unreadable ({e}); rebuilt on open"))
-        ids = {r.id for r in rows}
         if on_disk != ids:
             report.notes.append(Problem(
                 "index", str(index_path), f"index holds {len(on_disk & ids)} of {len(ids)} chunks and "
                 f"{len(on_disk - ids)} stale ids; brought up to date on open, saved by the next ingest or --repair"))
-        if repair:
-            self._repair(report, bad)
-        return report
 
     def _repair(self, report: VerifyReport, bad: list[str]) -> None:
         if bad:
-            with self.manifest.transaction():
-                docs = {p for k in bad for p, _ in self.manifest.places(k)}
-                for d in docs:
-                    self.manifest.delete_document(d)
-                self.manifest.delete_chunks(bad)
-            for k in bad:
-                self.file(k).unlink(missing_ok=True)
-            for p in report.problems:
-                if p.kind in ("damaged", "missing"):
-                    p.fixed = True
-                    p.detail += "; removed: run the same ingest again to recreate it"
+            self._drop_bad(report, bad)
         for note in report.notes:
             if note.kind == "temp":
                 Path(note.subject).unlink(missing_ok=True)
-                note.fixed = True
-            elif note.kind == "orphan":
-                note.fixed = self.adopt_chunk(note.subject) is not None
-                if not note.fixed:
-                    self.file(note.subject).unlink(missing_ok=True)
-                    note.fixed = True
+            elif note.kind == "orphan" and self.adopt_chunk(note.subject) is None:
+                self.chunks.delete(note.subject)
+            note.fixed = note.kind in ("temp", "orphan")
         self._index = None
         self.sync_index(write=True)
         self.save_index()
         for note in report.notes:
             if note.kind == "index":
                 note.fixed = True
+
+    def _drop_bad(self, report: VerifyReport, bad: list[str]) -> None:
+        """Remove damaged or missing chunks and the documents using them (the next ingest makes them again)."""
+        with self.manifest.transaction():
+            docs = {p for k in bad for p, _ in self.manifest.places(k)}
+            for d in docs:
+                self.manifest.delete_document(d)
+            self.manifest.delete_chunks(bad)
+        self.chunks.delete_many(bad)
+        for p in report.problems:
+            if p.kind in ("damaged", "missing"):
+                p.fixed = True
+                p.detail += "; removed: run the same ingest again to recreate it"
 
 
 def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: str | None = None,
@@ -169,6 +188,12 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         tensors, meta = chunkfile.read_chunk_tensors(path)
     except StoreError:
         return "unreadable header (not a safetensors chunk)"
+    return check_chunk_tensors(tensors, meta, key, source, row_checksum, prefix_ids)
+
+
+def check_chunk_tensors(tensors: dict, meta: dict, key: str, source: StoreSource, row_checksum: str | None = None,
+                        prefix_ids: Iterable[int] = ()) -> str | None:
+    """:func:`check_chunk_file` on a chunk already read (from any :class:`~mot_cag.store.backend.ChunkBackend`)."""
     if meta.get("key") != key:
         return f"holds chunk {meta.get('key')!r}, expected {key}"
     if meta.get("meta_checksum") != meta_checksum(meta):
@@ -177,16 +202,36 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         ids = chunkfile.chunk_token_ids(tensors, meta)
     except StoreError:
         return "token ids unreadable"
+    reason = _identity_problem(meta, key, ids, source, list(prefix_ids)) or _shape_problem(tensors, meta, ids,
+                                                                                          source.layout)
+    if reason is not None:
+        return reason
+    if chunkfile.chunk_checksum(tensors) != meta.get("checksum"):
+        return "tensor data fails its checksum"
+    try:
+        chunkfile.chunk_text(tensors, meta)
+    except StoreError as e:
+        return f"text unreadable ({e})"
+    if row_checksum is not None and row_checksum != meta["checksum"]:
+        return "checksum differs from the manifest's"
+    return None
+
+
+def _identity_problem(meta: dict, key: str, ids: list[int], source: StoreSource, prefix_ids: list[int]) -> str | None:
+    """Why an intact chunk file's metadata is not chunk ``key`` of this store (same source, prefix and key)."""
     if meta.get("fingerprint") != source.fingerprint:
         return f"made by another source model (fingerprint {meta.get('fingerprint')})"
-    prefix_ids = list(prefix_ids)
     if meta.get("prefix", "") != (prefix_digest(prefix_ids) if prefix_ids else ""):
         return f"prefilled after another prefix ({meta.get('prefix') or 'none'}) than this store's"
     if chunk_key(source.fingerprint, ids, prefix_ids) != key:
         return "token ids do not hash to the chunk key"
     if meta.get("start") != "0":
         return f"prefilled at position {meta.get('start')}, store chunks are prefilled at 0"
-    lay = source.layout
+    return None
+
+
+def _shape_problem(tensors: dict, meta: dict, ids: list[int], lay) -> str | None:
+    """Why a chunk file's tensors do not fit the source layout and its token count."""
     want = [lay.layers, lay.kv_heads, len(ids), lay.head_dim]
     try:
         shapes = [json.loads(meta.get("shape", "[]"))] + [list(tensors[n].shape) for n in chunkfile.KV_TENSORS]
@@ -196,14 +241,6 @@ def check_chunk_file(path: Path, key: str, source: StoreSource, row_checksum: st
         return f"tensor {e} missing"
     if any(s != want for s in shapes):
         return f"shape {meta.get('shape')} does not fit the source layout {want}"
-    if chunkfile.chunk_checksum(tensors) != meta.get("checksum"):
-        return "tensor data fails its checksum"
-    try:
-        chunkfile.chunk_text(tensors, meta)
-    except StoreError as e:
-        return f"text unreadable ({e})"
-    if row_checksum is not None and row_checksum != meta["checksum"]:
-        return "checksum differs from the manifest's"
     return None
 
 
@@ -231,29 +268,27 @@ def rebuild_manifest(root: str | Path, config: StoreConfig | None = None) -> tup
     (root / INDEX_FILE).unlink(missing_ok=True)  # its ids referred to the old manifest's rows
     st = Store(root, config, Manifest(root / MANIFEST_FILE))
     problems: list[Problem] = []
-    for f in sorted((root / CHUNKS_DIR).glob("*/*.safetensors")):
-        reason = check_chunk_file(f, f.stem, config.source, prefix_ids=config.prefix_ids)
+    for key in list(st.chunks.keys()):
+        reason = st.check_chunk(key)
         if reason is not None:
-            f.unlink(missing_ok=True)
-            problems.append(Problem("damaged", f.stem, f"{f}: {reason}; removed", fixed=True))
+            st.chunks.delete(key)
+            problems.append(Problem("damaged", key, f"{st.file(key)}: {reason}; removed", fixed=True))
             continue
-        _, text, meta = chunkfile.read_content(f)
+        _, text, meta = st.chunks.content(key)
         with st.manifest.transaction():
-            st.manifest.add_chunk(f.stem, chunk_relpath(f.stem), meta["checksum"], int(meta["tokens"]),
-                                  f.stat().st_size, text)
+            st.manifest.add_chunk(key, chunk_relpath(key), meta["checksum"], int(meta["tokens"]),
+                                  st.chunks.size(key), text)
     for rec_path in sorted((root / DOCS_DIR).glob("*.json")):
         try:
-            rec = json.loads(rec_path.read_text(encoding="utf-8"))
-            chunks = [DocChunk(c["index"], c["key"], c["char_start"], c["char_end"]) for c in rec["chunks"]]
+            doc = DocumentVersion.from_record(json.loads(rec_path.read_text(encoding="utf-8")))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             problems.append(Problem("manifest", str(rec_path), f"document record unreadable ({e}); skipped"))
             continue
-        if all(st.has_chunk(c.key) for c in chunks):
+        if all(st.has_chunk(c.key) for c in doc.chunks):
             with st.manifest.transaction():
-                st.manifest.put_document(rec["path"], rec["sha256"], rec["size"], rec["mtime_ns"], chunks,
-                                         rec["tokens"])
+                st.manifest.put_document(doc)
         else:
-            problems.append(Problem("missing", rec["path"], "document lost chunks; re-ingest it", fixed=True))
+            problems.append(Problem("missing", doc.path, "document lost chunks; re-ingest it", fixed=True))
     st.sync_index(write=True)
     st.save_index()
     return st, problems

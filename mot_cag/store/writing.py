@@ -7,15 +7,14 @@ import errno
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from mot_cag.errors import StoreError
 from mot_cag.models.cache import KVChunk
 from mot_cag.store import chunkfile
-from mot_cag.store.format import CHUNKS_DIR, DOCS_DIR, TextChunk, chunk_relpath, meta_checksum, prefix_digest
-from mot_cag.store.manifest import ChunkRow, DocChunk
-from mot_cag.store.verify import check_chunk_file
+from mot_cag.store.format import DOCS_DIR, TextChunk, chunk_relpath, meta_checksum, prefix_digest
+from mot_cag.store.manifest import ChunkRow, DocumentVersion
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,6 @@ class Writing:
         Raises:
             StoreError: The disk is full (or another write error); the temporary file is removed.
         """
-        rel = chunk_relpath(key)
         # Token ids and text go in tensors (chunk format 2), not in the metadata that every load parses.
         meta = {
             "key": key, "source": self.source.name, "fingerprint": self.source.fingerprint, "doc": doc,
@@ -64,15 +62,12 @@ class Writing:
         if self.config.prefix_ids:
             meta["prefix"] = prefix_digest(self.config.prefix_ids)
         meta["meta_checksum"] = meta_checksum(meta)
-        path = self.root / rel
         try:
             data, written = chunkfile.encode_chunk(kv, self.source.layout, self.config.torch_dtype, meta,
                                                    token_ids=chunk.token_ids, text=chunk.text)
-            chunkfile.write_atomic(path, data, durable=durable)
+            rel = self.chunks.put(key, data, durable=durable)
             nbytes = len(data)
         except OSError as e:
-            for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-                tmp.unlink(missing_ok=True)
             what = "the disk is full" if e.errno == errno.ENOSPC else f"writing failed ({e})"
             raise StoreError(f"Cannot write chunk {key} to {self.root}: {what}; free space and run the same ingest "
                              "again to resume (everything committed so far is kept).") from None
@@ -98,21 +93,19 @@ class Writing:
     def adopt_chunk(self, key: str) -> ChunkRow | None:
         """Take an existing, valid chunk file that has no manifest row (a crash after the rename) into the
         manifest, so resuming does not prefill it again. Returns ``None`` when there is no usable file."""
-        path = self.file(key)
-        prefix = self.config.prefix_ids
-        if not path.is_file() or check_chunk_file(path, key, self.source, prefix_ids=prefix) is not None:
+        if not self.chunks.contains(key) or self.check_chunk(key) is not None:
             return None
-        _, text, meta = chunkfile.read_content(path)
+        _, text, meta = self.chunks.content(key)
         with self.manifest.transaction():
             self.manifest.add_chunk(key, chunk_relpath(key), meta["checksum"], int(meta["tokens"]),
-                                    path.stat().st_size, text)
+                                    self.chunks.size(key), text)
         return self.manifest.chunk(key)
 
     def remove_temp_files(self) -> int:
         """Delete temporary files of interrupted writes. Only the writer-lock holder may call this: any
         temporary file it sees belongs to a writer that died."""
-        n = 0
-        for pattern in (f"{CHUNKS_DIR}/*/.*.tmp", f"{DOCS_DIR}/.*.tmp", ".*.tmp"):
+        n = self.chunks.remove_temp()
+        for pattern in (f"{DOCS_DIR}/.*.tmp", ".*.tmp"):
             for tmp in self.root.glob(pattern):
                 tmp.unlink(missing_ok=True)
                 n += 1
@@ -131,39 +124,31 @@ class Writing:
             self._index.add(ids, vecs)
         return len(ids)
 
-    def put_document(self, path: str, sha256: str, size: int, mtime_ns: int, chunks: list[DocChunk],
-                     tokens: int, write_record: bool = True) -> int:
+    def put_document(self, doc: DocumentVersion, write_record: bool = True) -> int:
         """Commit a complete document, write its record, and delete chunks only its old version used.
 
         Args:
-            path: Document path (absolute).
-            sha256: Hash of the content that was chunked.
-            size: File size.
-            mtime_ns: File modification time.
-            chunks: Its chunks in order.
-            tokens: Source tokens over all its chunks.
+            doc: The document (absolute path, content hash, size, mtime, its chunks in order, tokens).
             write_record: Write ``documents/<id>.json`` now; pass ``False`` to write it yourself with
-                :meth:`write_document_record` (e.g. on a writer thread).
+                :meth:`write_document_record` (e.g. before a group commit's filesystem sync).
 
         Returns:
             Number of chunks removed.
         """
         with self.manifest.transaction():
-            old_keys = self.manifest.put_document(path, sha256, size, mtime_ns, chunks, tokens)
+            old_keys = self.manifest.put_document(doc)
         if write_record:
-            self.write_document_record(path, sha256, size, mtime_ns, chunks, tokens)
-        return self.collect(set(old_keys) - {c.key for c in chunks})
+            self.write_document_record(doc)
+        return self.collect(set(old_keys) - {c.key for c in doc.chunks})
 
-    def write_document_record(self, path: str, sha256: str, size: int, mtime_ns: int, chunks: list[DocChunk],
-                              tokens: int, durable: bool = True) -> Path:
+    def write_document_record(self, doc: DocumentVersion, durable: bool = True) -> Path:
         """Write a document's JSON record atomically (what :func:`rebuild_manifest` restores documents from).
 
         With ``durable=False`` it becomes durable at the next :meth:`sync_files`.
         """
-        record = self.document_record(path)
-        data = json.dumps({"path": path, "sha256": sha256, "size": size, "mtime_ns": mtime_ns, "tokens": tokens,
-                           "chunks": [asdict(c) for c in chunks]}, indent=1, sort_keys=True).encode()
-        chunkfile.write_atomic(record, data, durable=durable)
+        record = self.document_record(doc.path)
+        chunkfile.write_atomic(record, json.dumps(doc.to_record(), indent=1, sort_keys=True).encode(),
+                               durable=durable)
         return record
 
     def document_record(self, path: str) -> Path:
@@ -174,8 +159,7 @@ class Writing:
         """Delete those of ``keys`` that no document uses: manifest rows first, then files, then vectors."""
         with self.manifest.transaction():
             gone = self.manifest.delete_chunks(self.manifest.unreferenced(keys))
-        for row in gone:
-            (self.root / row.file).unlink(missing_ok=True)
+        self.chunks.delete_many(row.key for row in gone)
         if gone and self._index is not None:
             self._index.remove([r.id for r in gone])
         return len(gone)

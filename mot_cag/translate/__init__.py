@@ -28,13 +28,15 @@ from mot_cag.translate.checkpoint import (
 )
 from mot_cag.translate.inject import translate
 from mot_cag.translate.layers import LayerMap
-from mot_cag.translate.mot import Translator, TranslatorConfig, build_translator
+from mot_cag.translate.mot import Translator, build_translator
+from mot_cag.translate.spec import TranslatorConfig, TranslatorSpec
 
 __all__ = [
     "Alignment",
     "LayerMap",
     "Translator",
     "TranslatorConfig",
+    "TranslatorSpec",
     "build_translator",
     "check_pair",
     "find_translator",

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mot_cag.errors import TranslatorError
-from mot_cag.translate.mot import Translator, TranslatorConfig
+from mot_cag.translate.mot import Translator
+from mot_cag.translate.spec import TranslatorConfig
 
 WEIGHTS = "translator.safetensors"
 CONFIG = "config.json"

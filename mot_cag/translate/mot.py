@@ -24,132 +24,18 @@ model reproduces the source cache exactly. ``p`` holds per-token side features: 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mot_cag.models.layout import KVLayout
-from mot_cag.names import COVERAGES, Coverage, choose
 from mot_cag.translate.layers import LayerMap
+from mot_cag.translate.spec import EXPERT_KINDS, ExpertKind, TranslatorConfig, TranslatorSpec
 
-ExpertKind = Literal["attn", "mlp", "linear"]
-EXPERT_KINDS = ("attn", "mlp", "linear")
-FORMAT_VERSION = 1
-
-
-@dataclass
-class TranslatorConfig:
-    """Everything needed to rebuild a translator and to refuse the wrong pair.
-
-    Attributes:
-        source: Source model name.
-        target: Target model name.
-        source_layout: Source :class:`KVLayout` as a dict.
-        target_layout: Target :class:`KVLayout` as a dict.
-        layer_map: :class:`LayerMap` as a dict.
-        coverage: Injection the translator was built for (``inject-all`` covers every target layer and can
-            also replay; ``replay`` covers only the window). Files before this name say ``mode`` and ``direct``.
-        expert: Expert kind (``attn``, ``mlp``, ``linear``).
-        experts: Number of experts K per mixture.
-        top_k: Experts mixed per token.
-        hidden: Expert hidden width.
-        heads: Attention heads of ``attn`` experts.
-        pos_features: Sinusoidal target-position features (0 for RoPE targets, which get rotated keys).
-        prev_token: How many previous tokens' source K/V the experts' linear part also reads (zeros before a
-            chunk's first token): target layers above previous-token heads depend on them. ``True`` means 1.
-        token_features: Width of the target's input embeddings fed to the experts beside the source K/V (0:
-            off). Direct injection knows the target's token ids; their embeddings (a table lookup, the target
-            never runs) give the token identity the target's own layers key on; with ``prev_token`` the
-            previous tokens' embeddings are added too.
-        token_rank: When > 0, the normalised embeddings are projected onto their first ``token_rank``
-            principal directions (fitted at calibration) before the experts read them.
-        source_fingerprint: Weights+tokenizer fingerprint of the source (``registry.fingerprint``).
-        target_fingerprint: Same for the target.
-        source_tokenizer: Tokenizer fingerprint of the source (``alignment.tokenizer_fingerprint``).
-        target_tokenizer: Same for the target.
-        kind: ``mot`` (K > 1), ``single`` (K = 1, trained) or ``ridge`` (closed form).
-        source_head: The source prompt head its source chunks were prefilled after (a prefixed store's
-            ``prefix_ids``); empty: chunks prefilled alone.
-        target_head: The target prompt head its output follows (empty: none).
-        training: Summary of how it was made (steps, losses, data, seconds...).
-        version: File format version.
-    """
-
-    source: str
-    target: str
-    source_layout: dict
-    target_layout: dict
-    layer_map: dict
-    coverage: Coverage = "inject-all"
-    expert: ExpertKind = "attn"
-    experts: int = 4
-    top_k: int = 2
-    hidden: int = 128
-    heads: int = 4
-    pos_features: int = 0
-    prev_token: int = 0
-    token_features: int = 0
-    token_rank: int = 0
-    source_fingerprint: str = ""
-    target_fingerprint: str = ""
-    source_tokenizer: str = ""
-    target_tokenizer: str = ""
-    kind: str = "mot"
-    source_head: list[int] = field(default_factory=list)
-    target_head: list[int] = field(default_factory=list)
-    training: dict = field(default_factory=dict)
-    version: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        self.coverage = choose("translator coverage", self.coverage, COVERAGES, ValueError)
-        if self.expert not in EXPERT_KINDS:
-            raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
-        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"Need experts >= 1 and 1 <= top_k <= experts; got experts={self.experts}, "
-                             f"top_k={self.top_k}.")
-        if self.expert == "attn" and self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
-
-    @property
-    def src(self) -> KVLayout:
-        """Source layout."""
-        return KVLayout.from_dict(self.source_layout)
-
-    @property
-    def tgt(self) -> KVLayout:
-        """Target layout."""
-        return KVLayout.from_dict(self.target_layout)
-
-    @property
-    def side_features(self) -> int:
-        """Width of the per-token side features ``p``: positions, then target embeddings (and previous)."""
-        return self.pos_features + self.token_width * (1 + int(self.prev_token))
-
-    @property
-    def token_width(self) -> int:
-        """Width of the token features the experts read: the embedding width, or ``token_rank`` when the
-        embeddings are projected onto their principal directions first."""
-        return self.token_rank or self.token_features
-
-    @property
-    def layers(self) -> LayerMap:
-        """The layer map."""
-        return LayerMap.from_dict(self.layer_map)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON form."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TranslatorConfig:
-        """Inverse of :meth:`to_dict`; keys from newer files are ignored, missing optional keys defaulted."""
-        names = set(cls.__dataclass_fields__)
-        if "coverage" not in d and "mode" in d:  # written before the rename
-            d = {**d, "coverage": d["mode"]}
-        return cls(**{k: v for k, v in d.items() if k in names})
+__all__ = ["EXPERT_KINDS", "ExpertKind", "Translator", "TranslatorConfig", "TranslatorSpec", "build_translator"]
 
 
 def position_features(positions: torch.Tensor, dims: int, max_positions: int) -> torch.Tensor:
@@ -436,60 +322,38 @@ class Translator(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_translator(
-    source,
-    target,
-    *,
-    coverage: Coverage = "inject-all",
-    expert: ExpertKind = "attn",
-    experts: int = 4,
-    top_k: int = 2,
-    hidden: int = 128,
-    heads: int = 4,
-    window_start: int | None = None,
-    window_width: int | None = None,
-    pos_features: int | None = None,
-    prev_token: int = 0,
-    token_features: bool = False,
-    token_rank: int = 0,
-    kind: str | None = None,
-) -> Translator:
+def build_translator(source, target, spec: TranslatorSpec | None = None, **fields) -> Translator:
     """A fresh (identity-initialised) translator for two loaded models.
 
     Args:
         source: Source :class:`~mot_cag.models.registry.LoadedModel`.
         target: Target :class:`~mot_cag.models.registry.LoadedModel`.
-        coverage: ``inject-all`` (every target layer) or ``replay`` (the window only).
-        expert: Expert kind.
-        experts: K.
-        top_k: Experts mixed per token.
-        hidden: Expert hidden width.
-        heads: Attention heads of ``attn`` experts.
-        window_start: First injected target layer in replay (default: top-aligned window).
-        window_width: Replay window width (default: 30% of the shallower depth).
-        pos_features: Position features (default 32 for absolute-position targets, 0 for RoPE).
-        prev_token: Previous tokens the linear part also reads (0: none).
-        token_features: Feed the target's token embeddings to the experts (see :class:`TranslatorConfig`).
-        token_rank: Project them onto this many principal directions first (0: the full width); keeps a
-            translator small for targets with wide embeddings.
-        kind: Label for listings (default ``mot`` when K > 1 else ``single``).
+        spec: What to build (:class:`~mot_cag.translate.spec.TranslatorSpec`).
+        **fields: Instead of ``spec``, its fields (``expert="mlp", experts=2, ...``); the rest default.
     """
+    if spec is None:
+        spec = TranslatorSpec(**fields)
+    elif fields:
+        spec = replace(spec, **fields)
     from mot_cag.translate.alignment import tokenizer_fingerprint
 
-    lm = LayerMap.build(source.layout.layers, target.layout.layers, coverage, window_start, window_width)
+    lm = LayerMap.build(source.layout.layers, target.layout.layers, spec.coverage, spec.window_start,
+                        spec.window_width)
+    pos_features = spec.pos_features
     if pos_features is None:
         pos_features = 32 if target.layout.positions == "absolute" else 0
     cfg = TranslatorConfig(
         source=source.name, target=target.name,
         source_layout=source.layout.to_dict(), target_layout=target.layout.to_dict(),
-        layer_map=lm.to_dict(), coverage=coverage, expert=expert, experts=experts, top_k=min(top_k, experts),
-        hidden=hidden, heads=heads, pos_features=pos_features, prev_token=int(prev_token),
-        token_features=target.model.get_input_embeddings().weight.shape[1] if token_features else 0,
-        token_rank=int(token_rank) if token_features else 0,
+        layer_map=lm.to_dict(), coverage=spec.coverage, expert=spec.expert, experts=spec.experts,
+        top_k=min(spec.top_k, spec.experts), hidden=spec.hidden, heads=spec.heads, pos_features=pos_features,
+        prev_token=int(spec.prev_token),
+        token_features=target.model.get_input_embeddings().weight.shape[1] if spec.token_features else 0,
+        token_rank=int(spec.token_rank) if spec.token_features else 0,
         source_fingerprint=source.fingerprint, target_fingerprint=target.fingerprint,
         source_tokenizer=tokenizer_fingerprint(source.tokenizer),
         target_tokenizer=tokenizer_fingerprint(target.tokenizer),
-        kind=kind or ("mot" if experts > 1 else "single"),
+        kind=spec.label,
     )
     translator = Translator(cfg)
     # Exact frequencies from the model configs (scaled RoPE variants differ from the default formula).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -21,6 +22,7 @@ from mot_cag.models.positions import rotate_keys
 from mot_cag.translate.alignment import leading_unaligned
 from mot_cag.translate.inject import source_window, target_embeddings
 from mot_cag.translate.mot import MixtureOfTranslators, Translator, build_translator, position_features
+from mot_cag.translate.spec import TranslatorSpec
 
 
 def _target_rows(translator: Translator, ex) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,11 +181,8 @@ def calibrate(
     return out
 
 
-def fit_ridge_translator(
-    source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2, coverage: str = "inject-all",
-    window_start: int | None = None, window_width: int | None = None, token_features: bool = False,
-    prev_token: int = 0, token_rank: int = 0,
-) -> Translator:
+def fit_ridge_translator(source, target, examples: Iterable, tokens: int = 4096, ridge_lambda: float = 1e-2,
+                         spec: TranslatorSpec | None = None, **fields) -> Translator:
     """The training-free baseline: one linear map per target layer, fitted in closed form.
 
     Args:
@@ -192,16 +191,12 @@ def fit_ridge_translator(
         examples: Prepared calibration examples (see :func:`~mot_cag.translate.train.example_stream`).
         tokens: Calibration tokens.
         ridge_lambda: Ridge strength.
-        coverage: ``inject-all`` or ``replay``.
-        window_start: Replay window start.
-        window_width: Replay window width.
-        token_features: Also regress on the target's token embeddings.
-        prev_token: Also regress on this many previous tokens' features.
-        token_rank: Project the token embeddings onto this many principal directions (0: full width).
+        spec: What it covers and reads (coverage, window, token features, previous tokens, token rank); its
+            kind is ``ridge`` whatever it says (one linear map, no experts).
+        **fields: Instead of ``spec``, its fields.
     """
-    translator = build_translator(source, target, coverage=coverage, expert="linear", experts=1, top_k=1,
-                                  window_start=window_start, window_width=window_width, kind="ridge",
-                                  token_features=token_features, prev_token=prev_token, token_rank=token_rank)
+    spec = replace(spec, **fields) if spec is not None else TranslatorSpec(**fields)
+    translator = build_translator(source, target, replace(spec, kind="ridge", expert="linear", experts=1, top_k=1))
     summary = calibrate(translator, itertools.islice(examples, 10_000), tokens, fit=True, ridge_lambda=ridge_lambda,
                         target=target)
     translator.config.training = {"method": "ridge", "calibration": summary, "ridge_lambda": ridge_lambda}

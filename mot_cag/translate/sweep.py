@@ -28,8 +28,9 @@ import torch
 
 from mot_cag.names import COVERAGES
 from mot_cag.translate.mot import build_translator
+from mot_cag.translate.recipe import heldout_pairs
 from mot_cag.translate.ridge import fit_ridge_translator
-from mot_cag.translate.train import TrainConfig, evaluate_translator, example_stream, heldout_pairs, train_translator
+from mot_cag.translate.train import TrainConfig, evaluate_translator, example_stream, train_translator
 
 VARIANTS = ("mot", "single", "ridge", "ce", "ccl", "ce+ccl", "kl")
 LOSSES = {"mot": (0.0, 1.0, 5.0), "single": (0.0, 1.0, 5.0), "ce": (1.0, 0.0, 0.0), "ccl": (0.0, 1.0, 0.0),
@@ -37,10 +38,10 @@ LOSSES = {"mot": (0.0, 1.0, 5.0), "single": (0.0, 1.0, 5.0), "ce": (1.0, 0.0, 0.
 
 
 def run_variant(source, target, variant: str, steps: int, pairs, hidden: int = 128, seed: int = 0,
-                token_features: bool = False, prev_tokens: int = 0) -> dict:
+                token_features: bool = False, prev_token: int = 0) -> dict:
     """Train/fit one variant and score it in the injection modes it supports."""
     t0 = time.time()
-    extra = {"token_features": token_features, "prev_token": prev_tokens}
+    extra = {"token_features": token_features, "prev_token": prev_token}
     cfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps))
     if variant == "ridge":
         tr = fit_ridge_translator(source, target, example_stream(source, target, cfg), cfg.calibration_tokens,
@@ -167,7 +168,7 @@ def main() -> None:
         jobs += [(s, t, f"window@{i}") for i in range(models[t].layout.layers)]
     for s, t, v in jobs:
         rows.append(run_variant(models[s], models[t], v, args.steps, held, args.hidden,
-                                token_features=args.token_features, prev_tokens=args.prev_tokens))
+                                token_features=args.token_features, prev_token=args.prev_tokens))
         print(json.dumps(rows[-1]), flush=True)
         save()
     plot(rows, out / "results.png")

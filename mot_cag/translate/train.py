@@ -12,11 +12,9 @@ the ablations CE-only / CCL-only / both are flags):
   distillation term beyond the paper;
 * ``balance``: importance CV² of the routers (keeps experts in use).
 
-Defaults are CCL + 5 x KL without CE: measured on gpt2-mini -> qwen2-mini (early zoo checkpoints, 80 steps,
-12 held-out pairs), the paper's CE + CCL drove the translated cache *away* from the native one (direct
-``kl_benefit`` 0.07, with the target's NLL of the continuation below native: CE rewards a cache that helps the
-target beyond its own context), while CCL + 5 x KL reached 0.90 direct / 0.98 replay (ridge alone: 0.83 /
-0.97). ``--ce 1 --ccl 1 --kl 0`` reproduces the paper's loss.
+Defaults are CCL + 5 x KL without CE, chosen on the zoo sweeps recorded in ``mot_cag/zoo/translators/RESULTS.md``
+(there the paper's CE + CCL pulled the translated cache away from the native one: CE rewards a cache that helps
+the target beyond its own context). ``--ce 1 --ccl 1 --kl 0`` reproduces the paper's loss.
 
 AdamW, linear warmup then cosine decay, gradient clipping, seeded; runs where the target runs (CUDA when the
 caller loaded it there).
@@ -34,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from mot_cag.models.cache import KVChunk, forward, prefill
-from mot_cag.names import COVERAGES, Coverage, choose
-from mot_cag.prompts import prefixes_chunks, prompt_format
+from mot_cag.names import COVERAGES, choose
+from mot_cag.prompts import prompt_format
 from mot_cag.translate.alignment import token_alignment
 from mot_cag.translate.data import Pair, pair_stream
 from mot_cag.translate.inject import translate
@@ -399,127 +397,3 @@ def evaluate_translator(
     out["nll_benefit"] = (out["nll_none"] - out["nll_translated"]) / gap if abs(gap) > 1e-9 else None
     out["n"] = n
     return out
-
-
-# ------------------------------------------------------------------------------------------ whole recipe
-
-
-@dataclass
-class TrainRequest:
-    """What ``mot-cag train`` asks for (library entry point :func:`run_training`).
-
-    Attributes:
-        source: Source model name.
-        target: Target model name.
-        out: Output directory (default: the user translator directory, ``<source>__<target>``).
-        kind: ``mot`` (K experts), ``single`` (K = 1) or ``ridge`` (closed form, no training).
-        coverage: ``inject-all`` (every target layer) or ``replay`` (the window only).
-        expert: Expert kind (``attn``, ``mlp``).
-        experts: K.
-        top_k: Experts mixed per token.
-        hidden: Expert hidden width.
-        window_start: Replay window start (default: top-aligned).
-        window_width: Replay window width (default: 30% of the shallower depth).
-        token_features: Feed the target's token embeddings to the experts.
-        token_rank: Project those embeddings onto this many principal directions first (0: full width).
-        prev_token: Also feed this many previous tokens' features.
-        eval_examples: Held-out synthetic pairs (eval split, fresh seed) scored after training (0: skip).
-        device: ``auto``, ``cpu``, ``cuda``...
-        half: Store the weights as float16.
-        train: Optimisation settings.
-    """
-
-    source: str
-    target: str
-    out: str | None = None
-    kind: str = "mot"
-    coverage: Coverage = "inject-all"
-    expert: str = "attn"
-    experts: int = 4
-    top_k: int = 2
-    hidden: int = 128
-    window_start: int | None = None
-    window_width: int | None = None
-    token_features: bool = False
-    token_rank: int = 0
-    prev_token: int = 0
-    eval_examples: int = 16
-    device: str = "auto"
-    half: bool = False
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-
-def heldout_pairs(n: int, seed: int = 12345, data: str = "synthetic") -> list[Pair]:
-    """Held-out pairs of the kind ``data`` names: the eval split (invented strings, package files) and a seed
-    training never uses. Training files have no held-out split here: synthetic pairs stand in."""
-    import itertools
-
-    from mot_cag.translate.data import document_pairs, prose_pairs, real_text_pairs, synthetic_pairs
-
-    streams = {"documents": document_pairs, "prose": prose_pairs, "real": real_text_pairs}
-    return list(itertools.islice(streams.get(data, synthetic_pairs)(seed, split="eval"), n))
-
-
-def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -> dict:
-    """Load both models, build and train (or fit) a translator, save it, score it on held-out pairs.
-
-    Returns:
-        ``{"source", "target", "kind", "coverage", "experts", "params", "path", "seconds", "final", "eval"}``.
-    """
-    from pathlib import Path
-
-    from mot_cag.device import pick_device
-    from mot_cag.errors import MotCagError
-    from mot_cag.models.registry import load_model
-    from mot_cag.translate.checkpoint import pair_dirname, save_translator, user_dir
-    from mot_cag.translate.mot import build_translator
-    from mot_cag.translate.ridge import fit_ridge_translator
-
-    if req.kind not in ("mot", "single", "ridge"):
-        raise MotCagError(f"Unknown translator kind '{req.kind}'; use mot, single or ridge.")
-    t0 = time.time()
-    device = pick_device(req.device)
-    source = load_model(req.source, device=device)
-    target = load_model(req.target, device=device)
-    if req.train.chunk_prefix == "auto":
-        both = all(prefixes_chunks(prompt_format(lm), lm.layout.positions) for lm in (source, target))
-        req.train.chunk_prefix = "prompt" if both else "none"
-    torch.manual_seed(req.train.seed)
-    try:
-        if req.kind == "ridge":
-            translator = fit_ridge_translator(
-                source, target, example_stream(source, target, req.train), req.train.calibration_tokens,
-                req.train.ridge_lambda, req.coverage, req.window_start, req.window_width, req.token_features,
-                req.prev_token, req.token_rank)
-        else:
-            experts = 1 if req.kind == "single" else req.experts
-            translator = build_translator(
-                source, target, coverage=req.coverage, expert=req.expert, experts=experts,
-                top_k=min(req.top_k, experts), hidden=req.hidden, window_start=req.window_start,
-                window_width=req.window_width, kind=req.kind,
-                token_features=req.token_features, prev_token=req.prev_token, token_rank=req.token_rank)
-            train_translator(translator, source, target, req.train, log=log)
-    except ValueError as e:
-        raise MotCagError(str(e)) from None
-    if req.kind == "ridge":  # what it was fitted on (trained kinds record it in train_translator)
-        translator.config.training["config"] = asdict(req.train)
-    heads = None
-    if req.train.chunk_prefix == "prompt":
-        heads = Heads.of(source, target)
-        translator.config.source_head = list(prompt_format(source).head)
-        translator.config.target_head = list(prompt_format(target).head)
-    suffix = "" if req.kind == "mot" and req.coverage == "inject-all" else f"{req.kind}-{req.coverage}"
-    out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
-    result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "coverage": req.coverage,
-              "experts": translator.config.experts, "params": translator.parameter_count()}
-    if req.eval_examples:
-        pairs = heldout_pairs(req.eval_examples, data=req.train.data)
-        ways = ("inject-all",) if heads is not None else COVERAGES
-        result["eval"] = {m: evaluate_translator(translator, source, target, pairs, m, req.train.max_context_tokens,
-                                                 heads)
-                          for m in ways if not (m == "inject-all" and req.coverage == "replay")}
-        translator.config.training["heldout"] = result["eval"]
-    save_translator(translator, out, half=req.half)
-    result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
-                   "final": {k: v for k, v in translator.config.training.get("final", {}).items()}})
-    return result

@@ -196,35 +196,9 @@ def train(
     model, circuit = build_model(spec, tok, cfg.seed)
     model.to(device).train()
     base_lr = cfg.lr or spec.lr
-    decay = [
-        p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n and "wpe" not in n and "wte" not in n
-    ]
-    no_decay = [
-        p
-        for n, p in model.named_parameters()
-        if not (p.dim() >= 2 and "emb" not in n and "wpe" not in n and "wte" not in n)
-    ]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=base_lr,
-        betas=(0.9, 0.98),
-    )
-    state = {
-        "step": 0,
-        "wall_s": 0.0,
-        "spec": spec.to_dict(),
-        "train": asdict(cfg),
-        "circuit": circuit,
-        "eval": None,
-        "data_seed": cfg.seed,
-    }
+    opt = _optimizer(model, base_lr)
     ckpt = run / "ckpt"
-    if resume and (ckpt / "state.json").exists():
-        state = load_checkpoint(ckpt, model, opt)
-        state["train"] = asdict(cfg)
-    elif init_from is not None:
-        state = _init_from_export(Path(init_from), model, state)
-        state["train"] = asdict(cfg)
+    state = _start_state(spec, cfg, circuit, model, opt, ckpt if resume else None, init_from)
     logf = (run / "train.log").open("a")
     metf = (run / "metrics.jsonl").open("a")
 
@@ -259,21 +233,8 @@ def train(
         for k, v in stats.items():
             acc.setdefault(k, []).append(v)
         if state["step"] % 25 == 0:
-            mean = {k: sum(x for x in v if x == x) / max(1, sum(1 for x in v if x == x)) for k, v in acc.items()}
+            _log_mean(acc, state, batch["input_ids"].shape[1], time.time() - t_step, metf, say)
             acc = {}
-            rec = {
-                "step": state["step"],
-                "wall_s": round(state["wall_s"], 1),
-                **{k: round(v, 4) for k, v in mean.items()},
-            }
-            metf.write(json.dumps(rec) + "\n")
-            metf.flush()
-            say(
-                f"step {state['step']:6d} {state['wall_s'] / 60:6.1f} min  loss {mean['loss']:.3f}  "
-                f"copy nll {mean['copy_nll']:.3f} acc {mean['copy_acc']:.3f}  ans nll {mean['ans_nll']:.3f} "
-                f"acc {mean['ans_acc']:.3f}  other {mean['other_nll']:.3f}  "
-                f"T {batch['input_ids'].shape[1]} {(time.time() - t_step):.2f}s"
-            )
         done = state["step"] >= cfg.steps
         if state["step"] % cfg.eval_every == 0 or done:
             res = quick_eval(model, tok, n=cfg.eval_n, long_tokens=cfg.eval_long_tokens)
@@ -291,6 +252,44 @@ def train(
     logf.close()
     metf.close()
     return state
+
+
+def _start_state(spec, cfg: ZooTrainConfig, circuit, model, opt, ckpt: Path | None, init_from: Path | None) -> dict:
+    """The run state to start from: the checkpoint in ``ckpt`` when there is one, else the exported model
+    ``init_from``, else step 0 (the model and optimizer are loaded in place)."""
+    state = {"step": 0, "wall_s": 0.0, "spec": spec.to_dict(), "train": asdict(cfg), "circuit": circuit,
+             "eval": None, "data_seed": cfg.seed}
+    if ckpt is not None and (ckpt / "state.json").exists():
+        state = load_checkpoint(ckpt, model, opt)
+    elif init_from is not None:
+        state = _init_from_export(Path(init_from), model, state)
+    state["train"] = asdict(cfg)
+    return state
+
+
+def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices, none on embeddings, norms and biases."""
+    def decays(n: str, p: torch.Tensor) -> bool:
+        return p.dim() >= 2 and "emb" not in n and "wpe" not in n and "wte" not in n
+
+    decay = [p for n, p in model.named_parameters() if decays(n, p)]
+    no_decay = [p for n, p in model.named_parameters() if not decays(n, p)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.98))
+
+
+def _log_mean(acc: dict[str, list[float]], state: dict, seq: int, step_s: float, metf, say) -> None:
+    """Write the mean of the accumulated step statistics (NaNs left out) to the metrics file and the log."""
+    mean = {k: sum(x for x in v if x == x) / max(1, sum(1 for x in v if x == x)) for k, v in acc.items()}
+    rec = {"step": state["step"], "wall_s": round(state["wall_s"], 1), **{k: round(v, 4) for k, v in mean.items()}}
+    metf.write(json.dumps(rec) + "\n")
+    metf.flush()
+    say(
+        f"step {state['step']:6d} {state['wall_s'] / 60:6.1f} min  loss {mean['loss']:.3f}  "
+        f"copy nll {mean['copy_nll']:.3f} acc {mean['copy_acc']:.3f}  ans nll {mean['ans_nll']:.3f} "
+        f"acc {mean['ans_acc']:.3f}  other {mean['other_nll']:.3f}  "
+        f"T {seq} {step_s:.2f}s"
+    )
 
 
 def _check_export(folder: Path) -> None:
