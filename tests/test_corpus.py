@@ -12,7 +12,8 @@ from clirun import run_cli
 
 from mot_cag.data import names
 from mot_cag.data.corpus import CorpusConfig, doc_token_lengths, make_corpus, write_corpus
-from mot_cag.data.synthetic import RELATIONS, WORDS, read_jsonl
+from mot_cag.data.jsonl import read_jsonl
+from mot_cag.data.synthetic import RELATIONS, WORDS
 from mot_cag.errors import MotCagError
 
 

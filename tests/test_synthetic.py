@@ -7,15 +7,14 @@ import random
 import pytest
 
 from mot_cag.data import names
+from mot_cag.data.jsonl import read_jsonl, write_jsonl
 from mot_cag.data.synthetic import (
     RELATIONS,
     TASKS,
     Fact,
     qa_training_text,
-    read_jsonl,
     repeat_training_text,
     synth_dataset,
-    write_jsonl,
 )
 
 

@@ -30,7 +30,8 @@ def data_synth(
     out_file: Annotated[str, typer.Option("--out", help="Output JSONL file.")] = "synthetic.jsonl",
 ) -> None:
     """Write a synthetic dataset as JSONL ({"id","context","question","answer","cue",...} per line)."""
-    from mot_cag.data.synthetic import synth_dataset, write_jsonl
+    from mot_cag.data.jsonl import write_jsonl
+    from mot_cag.data.synthetic import synth_dataset
 
     try:
         rows = synth_dataset(task, n, seed, context_tokens=context_tokens)

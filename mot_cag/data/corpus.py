@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mot_cag.data.synthetic import RELATIONS, Fact, WorldBuilder, render_document, write_jsonl
+from mot_cag.data.jsonl import write_jsonl
+from mot_cag.data.synthetic import RELATIONS, Fact, WorldBuilder, render_document
 from mot_cag.errors import MotCagError
 
 DOCS_DIR = "docs"

@@ -16,11 +16,9 @@ never shares an invented name, place, company or digit string with training text
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from mot_cag.data import names
 from mot_cag.data.names import Split
@@ -509,19 +507,3 @@ def synth_dataset(
                 }
             )
     return rows
-
-
-def write_jsonl(examples: Iterable[dict], path: str | Path) -> Path:
-    """Write examples to a JSONL file (one JSON object per line, UTF-8); creates parent folders."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for ex in examples:
-            fh.write(json.dumps(ex, ensure_ascii=False) + "\n")
-    return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSONL file written by :func:`write_jsonl`."""
-    with Path(path).open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]

@@ -7,9 +7,9 @@ contexts come from a store).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from mot_cag.data.jsonl import read_jsonl
 from mot_cag.errors import MotCagError
 
 # Hugging Face QA sets and how their fields map onto ours.
@@ -60,7 +60,7 @@ def load_examples(name: str, limit: int | None = None, seed: int = 0, **synth_kw
             raise MotCagError(str(e)) from None
     path = Path(name)
     if path.suffix in (".jsonl", ".json") or path.exists():
-        rows = _load_jsonl(path)
+        rows = read_jsonl(path)
     else:
         rows = _load_hf(name)
     rows = rows[:limit] if limit else rows
@@ -80,37 +80,6 @@ def _datasets():
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     return datasets
-
-
-def _load_jsonl(path: Path) -> list[dict]:
-    """Rows of a local JSONL file (one object per line), or of a JSON file holding a list of objects; read with
-    the ``json`` module (no cache files, no ``datasets`` import)."""
-    if not path.is_file():
-        raise MotCagError(f"Dataset file {path} does not exist; give a JSONL file or a synthetic:TASK name.")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise MotCagError(f"Cannot read {path} ({e}); give a UTF-8 JSONL file.") from None
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MotCagError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}).") from None
-        lines = [(n + 1, r) for n, r in enumerate(rows)]
-    else:
-        lines = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                lines.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise MotCagError(f"{path}, line {n}: not a JSON object ({e.msg}); each line must be one JSON "
-                                  "object.") from None
-    bad = next((n for n, r in lines if not isinstance(r, dict)), None)
-    if bad is not None:
-        raise MotCagError(f"{path}, line {bad}: not a JSON object; each line must be one JSON object.")
-    return [r for _, r in lines]
 
 
 def _load_hf(name: str) -> list[dict]:
