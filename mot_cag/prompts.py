@@ -92,12 +92,16 @@ class PromptFormat:
         separator: Text appended to every context piece (empty for ``qa``).
         template: For ``chat``, the rendered text after the documents with ``_QUESTION`` in place of the
             question (end of user turn and assistant header included).
+        first_token_bans: Token ids an answer may not start with (real models: a line break or the end of
+            text). A base model reading joined chunk caches sometimes writes a line break first and then loops
+            on ``Answer:``, an empty answer; the question was asked, so the answer starts with content.
     """
 
     kind: PromptKind
     head: tuple[int, ...]
     separator: str = ""
     template: str = ""
+    first_token_bans: tuple[int, ...] = ()
 
     def piece_text(self, text: str) -> str:
         """A context piece's text as the target reads it."""
@@ -157,13 +161,24 @@ def chat_format(tokenizer) -> PromptFormat:
         raise ValueError("the chat template does not keep the user message verbatim")
     before, after = text.split(_DOCS)
     # The rendered text spells out any BOS itself; encoding it without special tokens keeps it once.
-    return PromptFormat("chat", tuple(encode(tokenizer, before)), PIECE_SEPARATOR, after)
+    return PromptFormat("chat", tuple(encode(tokenizer, before)), PIECE_SEPARATOR, after, blank_starts(tokenizer))
 
 
 def completion_format(tokenizer) -> PromptFormat:
     """The plain completion format for base models."""
     head = bos_ids(tokenizer) + encode(tokenizer, f"{INSTRUCTION}\n\n")
-    return PromptFormat("completion", tuple(head), PIECE_SEPARATOR)
+    return PromptFormat("completion", tuple(head), PIECE_SEPARATOR, first_token_bans=blank_starts(tokenizer))
+
+
+def blank_starts(tokenizer) -> tuple[int, ...]:
+    """The end-of-text id and the ids that spell only line breaks (``\\n``, ``\\n\\n``, ...): what an answer
+    may not start with."""
+    ids = {t for t in (tokenizer.eos_token_id,) if isinstance(t, int)}
+    for text in ("\n", "\n\n", "\n\n\n", " \n", " \n\n"):
+        enc = encode(tokenizer, text)
+        if len(enc) == 1:
+            ids.add(enc[0])
+    return tuple(sorted(ids))
 
 
 def prompt_format(lm, kind: PromptKind | Literal["auto"] = "auto") -> PromptFormat:

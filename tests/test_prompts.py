@@ -97,3 +97,26 @@ def test_contains_answer_beside_exact_match():
     assert contains_answer("Ana Brell was born in Corvale", "Corvale") == 1.0
     assert contains_answer("Corvaleton", "Corvale") == 0.0  # whole words only
     assert contains_answer("code 48213!", "48213") == 1.0
+
+
+def test_real_model_answers_never_start_with_a_line_break_or_end(tiny_models, chat_qwen):
+    """A base model reading joined chunks sometimes wrote a line break first and looped on "Answer:" (an empty
+    answer); real-model formats ban those first tokens, the zoo's format bans nothing."""
+    import torch
+
+    from mot_cag.models import cache as kv
+    from mot_cag.prompts import completion_format, encode
+
+    tok = chat_qwen.tokenizer
+    for fmt in (prompt_format(chat_qwen), completion_format(tok)):
+        assert set(encode(tok, "\n")) <= set(fmt.first_token_bans)
+        assert tok.eos_token_id is None or tok.eos_token_id in fmt.first_token_bans
+    assert prompt_format(tiny_models["gpt2"]).first_token_bans == ()
+    model = chat_qwen.model
+    ids = torch.tensor(encode(tok, "Question: Where was Ana Brell born?\nAnswer:"))
+    free = list(kv.greedy_tokens(model, ids, None, 3))
+    banned = list(kv.greedy_tokens(model, ids, None, 3, ban_first=[free[0]]))
+    assert banned[0] != free[0]  # the ban holds on the first token only ...
+    logits = model(input_ids=ids.view(1, -1)).logits[0, -1]
+    logits[free[0]] = float("-inf")
+    assert banned[0] == int(logits.argmax())  # ... and the next best token is taken instead

@@ -139,7 +139,7 @@ class Evaluator:
                                 template=ex.get("template"), context_tokens=ctx.tokens)
             if kind == "extractive" or kind == "closed":
                 gen = generate(self.target, ctx.kv, suffix_ids, self.max_new_tokens, continuation_rule(self.prompt),
-                               t0)
+                               t0, ban_first=self.prompt.first_token_bans)
                 res.prediction, res.ttft_s = self.prompt.extract(gen.text), gen.ttft_s
                 res.exact_match = exact_match(res.prediction, str(ex["answer"]))
                 res.f1 = token_f1(res.prediction, str(ex["answer"]))

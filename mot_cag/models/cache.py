@@ -205,6 +205,7 @@ def greedy_tokens(
     max_new_tokens: int,
     stop: Callable[[list[int]], bool] | None = None,
     eos_token_id: int | None = None,
+    ban_first: Sequence[int] = (),
 ) -> Iterator[int]:
     """Greedily decode after ``context`` + ``prompt_ids``, yielding each new token id as it is chosen.
 
@@ -215,6 +216,7 @@ def greedy_tokens(
         max_new_tokens: Upper bound on generated tokens.
         stop: Called with the generated ids so far; ``True`` ends decoding (after yielding that token).
         eos_token_id: Ends decoding when produced (not yielded).
+        ban_first: Token ids the first generated token may not be.
     """
     limit = model.config.max_position_embeddings if hasattr(model.config, "max_position_embeddings") else None
     limit = limit or getattr(model.config, "n_positions", None)
@@ -228,7 +230,11 @@ def greedy_tokens(
     step = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(first, ids.shape[1], model.device),
                  cache=dyn, use_cache=True, logits_to_keep=1)
     pos = first + ids.shape[1]
-    next_id = int(step.logits[0, -1].argmax())
+    logits = step.logits[0, -1]
+    if ban_first:
+        logits = logits.clone()
+        logits[list(ban_first)] = float("-inf")
+    next_id = int(logits.argmax())
     for _ in range(max_new_tokens):
         if eos_token_id is not None and next_id == eos_token_id:
             return

@@ -114,7 +114,7 @@ class Asker:
         if budget < 1:
             raise MotCagError(f"The generation budget must be at least 1 token, got {budget}.")
         gen = generate(self.target, ctx.kv, suffix, budget, answer_rule(prompt, stops), t0, on_text,
-                       hold=max((len(e) - 1 for e in stops), default=0))
+                       hold=max((len(e) - 1 for e in stops), default=0), ban_first=prompt.first_token_bans)
         text = gen.text.strip()
         # Chat boilerplate ("The answer is: ...") is dropped for real models; the zoo's sentence is kept as is.
         answer = text if prompt.kind == "qa" else prompt.extract(text) or text

@@ -63,7 +63,8 @@ def continuation_rule(prompt: PromptFormat) -> StopRule:
 
 
 def generate(target: LoadedModel, context: kv.KVChunk | None, suffix_ids: list[int], budget: int, rule: StopRule,
-             t0: float | None = None, on_text: Callable[[str], None] | None = None, hold: int = 0) -> Generation:
+             t0: float | None = None, on_text: Callable[[str], None] | None = None, hold: int = 0,
+             ban_first: Sequence[int] = ()) -> Generation:
     """Greedily answer after ``context`` + ``suffix_ids``.
 
     The context is copied once into the decoding cache (:func:`~mot_cag.models.cache.greedy_tokens`); nothing
@@ -79,6 +80,7 @@ def generate(target: LoadedModel, context: kv.KVChunk | None, suffix_ids: list[i
         on_text: Receives the answer text as it grows (streaming); a text never shrinks once sent.
         hold: Characters held back from streaming until the answer is complete (the longest stop sequence
             minus one, so a stop sequence being generated is never streamed).
+        ban_first: Token ids the answer may not start with (the prompt format's ``first_token_bans``).
     """
     t0 = time.perf_counter() if t0 is None else t0
     tok = target.tokenizer
@@ -91,7 +93,7 @@ def generate(target: LoadedModel, context: kv.KVChunk | None, suffix_ids: list[i
         return rule(tok.decode(generated, skip_special_tokens=True))[1]
 
     for t in kv.greedy_tokens(target.model, as_tensor(suffix_ids, target.device), context, budget, stop=complete,
-                              eos_token_id=eos):
+                              eos_token_id=eos, ban_first=ban_first):
         if ttft is None:
             ttft = time.perf_counter() - t0
         ids.append(t)
