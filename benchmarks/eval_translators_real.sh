@@ -4,11 +4,14 @@
 # retrieved chunks per question, answered by the target in modes direct (reads the text), none, and the
 # translated store chunks with inject-all injection and with replay-joint (the default). Resumable: rerun to continue.
 #   LIMIT=24 bash benchmarks/eval_translators_real.sh
+# VARIANTS (chunk_variants.py names) adds e.g. tr:direct+dev@0.15 (inject-all, then selective recompute);
+# TR defaults to the bundled translators.
 set -u
 cd "$(dirname "$0")/.."
 B=.venv/bin
 OUT=${OUT:-runs/tr}
-TR=${TR:-$OUT/final}
+TR=${TR:-mot_cag/zoo/translators}
+VARIANTS=${VARIANTS:-"direct,none,tr:direct,tr:replay-joint"}
 LIMIT=${LIMIT:-24}
 PAIRS=${PAIRS:-"smollm2-135m:qwen2.5-coder-0.5b smollm2-135m:gemma-3-270m qwen2.5-coder-0.5b:smollm2-135m gemma-3-270m:qwen2.5-coder-0.5b qwen2.5-coder-0.5b:gemma-3-270m gemma-3-270m:smollm2-135m"}
 CORPUS=$OUT/heldout
@@ -18,7 +21,7 @@ for pair in $PAIRS; do
   start=$(date +%s)
   $B/python benchmarks/chunk_variants.py --model $t --source $s --translator $TR/${s}__$t --corpus $CORPUS \
     --store $OUT/store-heldout-$s --out $OUT/heldout-${s}__$t --limit $LIMIT \
-    --variants "direct,none,tr:direct,tr:replay-joint" --threads ${THREADS:-2} \
+    --variants "$VARIANTS" --threads ${THREADS:-2} \
     > $OUT/heldout-${s}__$t.md 2> $OUT/heldout-${s}__$t.log
   echo "heldout $s -> $t $(( $(date +%s) - start )) s" >> $OUT/heldout-times.txt
 done
