@@ -18,8 +18,36 @@ EXPERT_KINDS = ("attn", "mlp", "linear")
 FORMAT_VERSION = 1
 
 
+@dataclass(kw_only=True)
+class ExpertShape:
+    """The shape of a translator's experts, shared by what is asked for (:class:`TranslatorSpec`) and what was
+    built (:class:`TranslatorConfig`); keyword-only, so each subclass keeps its own positional fields first.
+
+    Attributes:
+        coverage: Injection the translator is built for (``inject-all`` covers every target layer and can
+            also replay; ``replay`` covers only the window). Files before this name say ``mode`` and ``direct``.
+        expert: Expert kind (``attn``, ``mlp``, ``linear``).
+        experts: Number of experts K per mixture.
+        top_k: Experts mixed per token (at most K).
+        hidden: Expert hidden width.
+        heads: Attention heads of ``attn`` experts.
+    """
+
+    coverage: Coverage = "inject-all"
+    expert: ExpertKind = "attn"
+    experts: int = 4
+    top_k: int = 2
+    hidden: int = 128
+    heads: int = 4
+
+    def _check_names(self) -> None:
+        self.coverage = choose("translator coverage", self.coverage, COVERAGES, ValueError)
+        if self.expert not in EXPERT_KINDS:
+            raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
+
+
 @dataclass
-class TranslatorConfig:
+class TranslatorConfig(ExpertShape):
     """Everything needed to rebuild a translator and to refuse the wrong pair.
 
     Attributes:
@@ -28,13 +56,7 @@ class TranslatorConfig:
         source_layout: Source :class:`KVLayout` as a dict.
         target_layout: Target :class:`KVLayout` as a dict.
         layer_map: :class:`LayerMap` as a dict.
-        coverage: Injection the translator was built for (``inject-all`` covers every target layer and can
-            also replay; ``replay`` covers only the window). Files before this name say ``mode`` and ``direct``.
-        expert: Expert kind (``attn``, ``mlp``, ``linear``).
-        experts: Number of experts K per mixture.
-        top_k: Experts mixed per token.
-        hidden: Expert hidden width.
-        heads: Attention heads of ``attn`` experts.
+        (coverage, expert, experts, top_k, hidden, heads: see :class:`ExpertShape`.)
         pos_features: Sinusoidal target-position features (0 for RoPE targets, which get rotated keys).
         prev_token: How many previous tokens' source K/V the experts' linear part also reads (zeros before a
             chunk's first token): target layers above previous-token heads depend on them. ``True`` means 1.
@@ -61,12 +83,6 @@ class TranslatorConfig:
     source_layout: dict
     target_layout: dict
     layer_map: dict
-    coverage: Coverage = "inject-all"
-    expert: ExpertKind = "attn"
-    experts: int = 4
-    top_k: int = 2
-    hidden: int = 128
-    heads: int = 4
     pos_features: int = 0
     prev_token: int = 0
     token_features: int = 0
@@ -82,9 +98,7 @@ class TranslatorConfig:
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        self.coverage = choose("translator coverage", self.coverage, COVERAGES, ValueError)
-        if self.expert not in EXPERT_KINDS:
-            raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
+        self._check_names()
         if self.experts < 1 or not 1 <= self.top_k <= self.experts:
             raise ValueError(f"Need experts >= 1 and 1 <= top_k <= experts; got experts={self.experts}, "
                              f"top_k={self.top_k}.")
@@ -132,18 +146,14 @@ class TranslatorConfig:
 
 
 @dataclass
-class TranslatorSpec:
+class TranslatorSpec(ExpertShape):
     """The architecture of a translator to build, chosen once (``mot-cag train`` options) and passed whole.
 
     Attributes:
         kind: ``mot`` (K experts), ``single`` (K = 1, trained) or ``ridge`` (the closed-form linear map);
             ``None`` labels it by K (``mot`` when K > 1, else ``single``).
-        coverage: ``inject-all`` (every target layer) or ``replay`` (the window only).
-        expert: Expert kind (``attn``, ``mlp``, ``linear``).
-        experts: K (``single`` and ``ridge`` use 1).
-        top_k: Experts mixed per token (at most K).
-        hidden: Expert hidden width.
-        heads: Attention heads of ``attn`` experts.
+        (coverage, expert, experts, top_k, hidden, heads: see :class:`ExpertShape`; ``single`` and ``ridge``
+        use K = 1.)
         window_start: First injected target layer in replay (default: top-aligned window).
         window_width: Replay window width (default: 30% of the shallower depth).
         pos_features: Position features (default 32 for absolute-position targets, 0 for RoPE).
@@ -154,12 +164,6 @@ class TranslatorSpec:
     """
 
     kind: TranslatorKind | None = None
-    coverage: Coverage = "inject-all"
-    expert: ExpertKind = "attn"
-    experts: int = 4
-    top_k: int = 2
-    hidden: int = 128
-    heads: int = 4
     window_start: int | None = None
     window_width: int | None = None
     pos_features: int | None = None
@@ -170,9 +174,7 @@ class TranslatorSpec:
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in TRANSLATOR_KINDS:
             raise ValueError(f"Unknown translator kind '{self.kind}'; use mot, single or ridge.")
-        self.coverage = choose("translator coverage", self.coverage, COVERAGES, ValueError)
-        if self.expert not in EXPERT_KINDS:
-            raise ValueError(f"expert must be one of {EXPERT_KINDS}, got '{self.expert}'.")
+        self._check_names()
         if self.kind in ("single", "ridge"):
             self.experts = 1
         if self.kind == "ridge":
