@@ -12,6 +12,7 @@ pieces and answers the same question, so the variants differ only by how the con
   whole joined cache (CacheBlend's deviation choice, or EPIC-like first tokens of every piece);
 - ``stored`` / ``stored+dev@R``: the store's own chunk files (fp16, prefilled after the head at ingest) through
   ``mot-cag ask``'s path (translated mode with the source as target);
+- ``VARIANT~temp@T``: that variant's context with attention temperature ``T`` over the pieces (APE-like).
 - ``tr:INJECTION`` / ``tr:INJECTION+dev@R`` (with ``--source``): the store's chunks, made by another model,
   translated (``direct``, ``replay``, ``replay-joint``) by ``--translator`` (default: the one found for the pair);
   ``tr:replay-joint@W``: replay over the joined context with the top share W of the target's layers translated.
@@ -41,6 +42,31 @@ DEFAULT_VARIANTS = ("direct,none,alone,prefix,prefix+dev@0.05,prefix+dev@0.1,pre
                     "prefix+start@0.15,stored,stored+dev@0.15")
 
 
+class TemperedContext:
+    """A builder's context with the keys of every token after the prompt head divided by ``t``: each query's
+    logits over the retrieved pieces are those of attention temperature ``t`` (RoPE rotation is linear, so
+    scaling a rotated key scales its logit), while the head (the attention sink) and the question keep theirs.
+    APE (arXiv 2502.05431) sharpens the attention over separately encoded contexts this way."""
+
+    def __init__(self, inner, t: float):
+        self.inner, self.t = inner, t
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def build(self, pieces):
+        from dataclasses import replace
+
+        from mot_cag.models.cache import KVChunk
+
+        ctx = self.inner.build(pieces)
+        if ctx.kv is None:
+            return ctx
+        keys = ctx.kv.keys.clone()
+        keys[:, :, len(self.inner.head):] /= self.t
+        return replace(ctx, kv=KVChunk(keys, ctx.kv.values, ctx.kv.start))
+
+
 def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict, source=None,
                   translator: str | None = None):
     """The context builder a variant name stands for (variants of one base share its per-piece cache, so a
@@ -53,6 +79,9 @@ def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict
         return DirectContext(target)
     if name == "none":
         return NoneContext(target)
+    if "~temp@" in name:  # attention temperature on the pieces: NAME~temp@T (APE-like; experiment, not a default)
+        inner, _, t = name.partition("~temp@")
+        return TemperedContext(build_variant(inner, target, store_prefix, caches, source, translator), float(t))
     base, _, repair = name.partition("+")
     recompute = Recompute(0.0)  # explicit: no repair unless the variant names one
     if repair:
