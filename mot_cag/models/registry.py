@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import safe_open
 
 from mot_cag.errors import ModelNotFoundError, MotCagError
 from mot_cag.models import packaged
@@ -250,20 +253,19 @@ def load_model(
 # ------------------------------------------------------------------------------------------------ listing
 
 
-def _param_count(path: Path) -> int:
-    """Parameters counted from safetensors headers, without loading any tensor."""
+def safetensors_numel(files: list[Path], skip: Callable[[str], bool] = lambda key: False) -> int:
+    """Elements of the tensors in safetensors files, read from their headers only (no tensor is loaded).
+
+    Args:
+        files: safetensors files; a missing one counts 0.
+        skip: names of tensors not to count (e.g. a translator's normalisation buffers).
+    """
     total = 0
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            count = 1
-            for d in info["shape"]:
-                count *= d
-            total += count
+    for f in files:
+        if not f.is_file():
+            continue
+        with safe_open(str(f), framework="pt") as fh:
+            total += sum(math.prod(fh.get_slice(key).get_shape()) for key in fh.keys() if not skip(key))
     return total
 
 
@@ -278,7 +280,7 @@ def describe(ref: ModelRef) -> dict:
         "layers": layout.layers,
         "kv_heads": layout.kv_heads,
         "head_dim": layout.head_dim,
-        "params": _param_count(ref.path),
+        "params": safetensors_numel(sorted(ref.path.glob("*.safetensors"))),
         "positions": layout.positions,
         "origin": ref.origin,
     }

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mot_cag.errors import TranslatorError
+from mot_cag.models.registry import safetensors_numel
 from mot_cag.translate.mot import Translator
 from mot_cag.translate.spec import TranslatorConfig
 
@@ -188,29 +189,17 @@ def list_translators() -> list[dict]:
         except TranslatorError:
             continue
         rows.append({"source": cfg.source, "target": cfg.target, "kind": cfg.kind, "experts": cfg.experts,
-                     "params": _param_count(path / WEIGHTS), "path": str(path), "coverage": cfg.coverage,
-                     "expert": cfg.expert})
+                     "params": safetensors_numel([path / WEIGHTS], _is_buffer), "path": str(path),
+                     "coverage": cfg.coverage, "expert": cfg.expert})
     return rows
 
 
 _BUFFERS = {"in_mean", "in_std", "out_mean", "out_std", "emb_mean", "emb_std", "src_inv_freq", "tgt_inv_freq"}
 
 
-def _param_count(path: Path) -> int:
-    """Parameters from the safetensors header, buffers excluded (by name)."""
-    if not path.is_file():
-        return 0
-    with open(path, "rb") as fh:
-        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-    total = 0
-    for key, info in header.items():
-        if key == "__metadata__" or key.rsplit(".", 1)[-1] in _BUFFERS:
-            continue
-        count = 1
-        for d in info["shape"]:
-            count *= d
-        total += count
-    return total
+def _is_buffer(key: str) -> bool:
+    """Normalisation and RoPE buffers are saved with the weights but are not trained parameters."""
+    return key.rsplit(".", 1)[-1] in _BUFFERS
 
 
 def find_translator(source: str, target: str, kind: str | None = None, injection: str | None = None) -> Path:
