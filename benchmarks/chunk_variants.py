@@ -86,7 +86,7 @@ def build_variant(name: str, target, store_prefix: tuple[int, ...], caches: dict
     recompute = Recompute(0.0)  # explicit: no repair unless the variant names one
     if repair:
         policy, _, ratio = repair.partition("@")
-        recompute = Recompute(float(ratio), {"dev": "deviation", "start": "start", "spread": "spread"}[policy])
+        recompute = Recompute(float(ratio), {"dev": "deviation"}.get(policy, policy))
     cache = caches.setdefault(base, LRU())
     if base == "alone":
         return NativeChunksContext(target, cache, recompute=recompute, prefixed=False)

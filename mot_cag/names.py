@@ -22,9 +22,9 @@ from mot_cag.errors import MotCagError
 ContextMode = Literal["translated", "direct", "native-chunks", "none"]
 Injection = Literal["auto", "inject-all", "replay", "replay-joint"]
 Coverage = Literal["inject-all", "replay"]
-RecomputePolicy = Literal["deviation", "start", "spread"]
+RecomputePolicy = Literal["deviation", "start", "end", "spread"]
 #: Recompute policies that choose tokens from positions alone (``deviation`` needs the model's K/V).
-PositionalPolicy = Literal["start", "spread"]
+PositionalPolicy = Literal["start", "end", "spread"]
 ChunkPrefix = Literal["auto", "prompt", "none"]
 #: What a store records: ``auto`` is resolved before a store is made.
 StoredChunkPrefix = Literal["prompt", "none"]

@@ -4,6 +4,8 @@ Pieces of a document collection prefilled separately and joined into one chunk m
 :func:`mot_cag.models.cache.selective_recompute` repairs the K/V of chosen tokens. This module chooses them:
 
 * ``start``: the first tokens of every piece that does not begin the chunk (cheap, no model call);
+* ``end``: the last tokens of the context, those next to the question (the most relevant piece is read last):
+  recomputing a tail is a prefill of those tokens over the joined cache before them (no model call to choose);
 * ``spread``: evenly spaced tokens, a structure-blind baseline (no model call);
 * :func:`deviation_indices`: CacheBlend's choice, the tokens whose K/V at an early layer deviate most from a
   single-pass prefill's (one partial pass of the model).
@@ -72,6 +74,10 @@ def recompute_indices(policy: PositionalPolicy, n_tokens: int, ratio: float, pie
     through the whole piece. Tokens of the piece at position 0 already had all their context; they come last,
     so they are only picked once every other token is (``ratio=1``: all tokens).
 
+    ``end`` takes the last ``k`` tokens: the tail next to the question, where the most relevant piece stands
+    (:func:`mot_cag.pipeline.retrieval.context_order`). Recomputed, the tail attends to every earlier piece as in
+    one pass over the text, which is what the question reads most.
+
     ``spread`` takes ``k`` evenly spaced tokens over the whole chunk, ignoring pieces: a baseline.
 
     Args:
@@ -91,6 +97,8 @@ def recompute_indices(policy: PositionalPolicy, n_tokens: int, ratio: float, pie
         )
     k = recompute_count(n_tokens, ratio)
     starts = _check_piece_starts(piece_starts, n_tokens)
+    if policy == "end":
+        return list(range(n_tokens - k, n_tokens))
     if policy == "spread":
         # Centre of each of k equal bins; strictly increasing because n_tokens / k >= 1.
         return [(2 * i + 1) * n_tokens // (2 * k) for i in range(k)]
