@@ -84,10 +84,13 @@ def test_recomputing_every_token_equals_a_single_pass(tiny_gemma3):
     b = _ids(lm, " Mira Hollen plays the violin. The favorite color of Ana Brell is green.", special=False)
     ids = torch.cat([a, b])
     joined = Positioner(lm.layout, lm.model.config).concat([kv.prefill(lm.model, a), kv.prefill(lm.model, b)])
-    fixed = kv.selective_recompute(lm.model, joined, ids, range(ids.shape[0]))
     single = kv.prefill(lm.model, ids)
-    torch.testing.assert_close(fixed.keys, single.keys, atol=1e-4, rtol=0)
-    torch.testing.assert_close(fixed.values, single.values, atol=1e-4, rtol=0)
+    everything = torch.arange(ids.shape[0])
+    # The public call (a tail: plain prefill) and the masked pass (one mask per layer type) must both agree.
+    for fixed in (kv.selective_recompute(lm.model, joined, ids, everything),
+                  kv._masked_recompute(lm.model, joined, ids, everything)):
+        torch.testing.assert_close(fixed.keys, single.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(fixed.values, single.values, atol=1e-4, rtol=0)
 
 
 def test_models_check_passes_and_reads_past_the_window(tiny_gemma3):
