@@ -18,6 +18,7 @@ from mot_cag.errors import MotCagError
 from mot_cag.names import (
     CHUNK_PREFIXES,
     CONTEXT_MODES,
+    DEFAULT_RECOMPUTE_POLICY,
     INJECTIONS,
     KV_DTYPES,
     RECOMPUTE_POLICIES,
@@ -80,8 +81,9 @@ class PipelineConfig:
             ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
             cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
-            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE`, now 0; docs/chunk-caches.md).
-        recompute_policy: Which tokens: ``deviation``, ``start`` or ``spread``.
+            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE` for a real model's own stored chunks, 0 for
+            translated chunks of another model and the zoo; docs/chunk-caches.md).
+        recompute_policy: Which tokens: ``end`` (default), ``deviation``, ``start`` or ``spread``.
         replay_window: Replay-joint injection: the share of the target's layers, from the top, that take
             translated K/V (the target computes the layers below over the whole context: about ``1 - window``
             of a prefill), or ``auto``: the translator's own window.
@@ -100,7 +102,7 @@ class PipelineConfig:
     mode: ContextMode = "translated"
     injection: Injection = "auto"
     recompute: float | str = "auto"
-    recompute_policy: RecomputePolicy = "deviation"
+    recompute_policy: RecomputePolicy = DEFAULT_RECOMPUTE_POLICY
     replay_window: float | str = "auto"
     targets: list[str] = field(default_factory=lambda: ["qwen2-mini", "opt-mini", "gpt2-mini"])
     max_new_tokens: int = 48

@@ -149,8 +149,10 @@ def test_recompute_auto_resolves_per_context_kind(chat_lm, tiny_models):
     from mot_cag.config import PipelineConfig
     from mot_cag.pipeline.context import AUTO_RECOMPUTE, Recompute
 
-    assert NativeChunksContext(chat_lm).recompute.ratio == AUTO_RECOMPUTE  # the measured default of real models
-    assert Recompute(None).resolved(True) == Recompute(AUTO_RECOMPUTE)
+    assert AUTO_RECOMPUTE > 0
+    assert NativeChunksContext(chat_lm).recompute == Recompute(AUTO_RECOMPUTE, "end")  # real models' measured default
+    assert Recompute(None).resolved(True) == Recompute(AUTO_RECOMPUTE, "end")
+    assert Recompute(None, "deviation").resolved(True) == Recompute(AUTO_RECOMPUTE, "deviation")
     assert Recompute(0.2, "start").resolved(True) == Recompute(0.2, "start")  # an explicit ratio is kept
     assert NativeChunksContext(chat_lm, recompute=Recompute(0.0)).recompute.ratio == 0.0
     assert NativeChunksContext(tiny_models["qwen2"]).recompute.ratio == 0.0  # zoo format: no repair by default
@@ -237,6 +239,21 @@ def test_translated_prefixed_store_aligns_text_and_separator_after_the_head(chat
             torch.testing.assert_close(built.kv.keys, stored.kv.keys, rtol=0, atol=1e-4)
             torch.testing.assert_close(built.kv.values, stored.kv.values, rtol=0, atol=1e-4)
     st.close()
+
+
+def test_auto_recompute_repairs_own_stored_chunks_not_another_models_translated_ones(chat_lm, monkeypatch):
+    import mot_cag.pipeline.translation as translation
+    from mot_cag.pipeline.context import AUTO_RECOMPUTE
+
+    head = prompt_format(chat_lm).head
+    assert translated_builder(chat_lm, chat_lm, chunk_prefix=head).recompute.ratio == AUTO_RECOMPUTE
+    monkeypatch.setattr(translation, "same_model", lambda a, b: False)
+    tr = _prefixed_identity(chat_lm)
+    for injection in ("inject-all", "replay-joint"):
+        assert translated_builder(chat_lm, chat_lm, tr, injection, chunk_prefix=head).recompute.ratio == 0.0
+        start = Recompute(0.1, "start")
+        asked = translated_builder(chat_lm, chat_lm, tr, injection, recompute=start, chunk_prefix=head)
+        assert asked.recompute == start
 
 
 def test_translator_and_store_must_agree_on_the_chunk_prefix(chat_lm, monkeypatch):

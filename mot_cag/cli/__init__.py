@@ -74,11 +74,13 @@ RecomputeOpt = Annotated[str | None, typer.Option(
     metavar="[auto|0-1]",
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
          "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = the measured "
-         "default, now 0 (docs/chunk-caches.md: 0.1 brought KL closer to direct but not the answers).")]
+         "default: 0.35 for a real model's own stored chunks, 0 for another model's translated chunks and the zoo "
+         "(docs/chunk-caches.md).")]
 RecomputePolicyOpt = Annotated[str | None, typer.Option(
     metavar=_choices(RECOMPUTE_POLICIES),
-    help="Which tokens --recompute picks: deviation (largest layer-1 K/V deviation from a partial single pass), "
-         "start (first tokens of each chunk) or spread (evenly spaced); " + _pipeline_default("recompute_policy")
+    help="Which tokens --recompute picks: end (the last tokens, next to the question, where the most relevant "
+         "chunk stands), deviation (largest layer-1 K/V deviation from a partial single pass), start (first tokens "
+         "of each chunk) or spread (evenly spaced); " + _pipeline_default("recompute_policy")
          + ".")]
 InjectionOpt = Annotated[str | None, typer.Option(
     metavar=_choices(INJECTIONS),

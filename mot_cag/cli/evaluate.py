@@ -22,7 +22,7 @@ from mot_cag.cli import (
     out,
 )
 from mot_cag.errors import MotCagError
-from mot_cag.names import CHUNK_PREFIXES, COVERAGES, choose
+from mot_cag.names import CHUNK_PREFIXES, COVERAGES, DEFAULT_RECOMPUTE_POLICY, choose
 
 # --------------------------------------------------------------------------------------------------- eval
 
@@ -43,7 +43,7 @@ def eval_cmd(
     injection: InjectionOpt = "auto",
     replay_window: WindowOpt = "auto",
     recompute: RecomputeOpt = "auto",
-    recompute_policy: RecomputePolicyOpt = "deviation",
+    recompute_policy: RecomputePolicyOpt = DEFAULT_RECOMPUTE_POLICY,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "auto",
     details: Annotated[str | None, typer.Option(help="Write per-example results to this JSONL file.")] = None,
     plot: Annotated[str | None, typer.Option(help="Save a bar chart of the scores per mode (PNG).")] = None,
@@ -62,7 +62,7 @@ def eval_cmd(
 
     req = EvalRequest(dataset=dataset, target=target, source=source, modes=mode or [], store=store, top_k=top_k,
                       limit=limit, seed=seed, device=device, translator=translator, injection=injection or "auto",
-                      recompute=recompute or "auto", recompute_policy=recompute_policy or "deviation",
+                      recompute=recompute or "auto", recompute_policy=recompute_policy or DEFAULT_RECOMPUTE_POLICY,
                       replay_window=parse_window(replay_window))
     with _progress(not as_json) as progress:
         report, results = run_eval(req, progress=progress)

@@ -11,7 +11,15 @@ from mot_cag.errors import MotCagError
 from mot_cag.evaluation.datasets import load_examples
 from mot_cag.evaluation.scoring import Evaluator, ExampleResult, evaluate
 from mot_cag.models.registry import LoadedModel, load_model
-from mot_cag.names import CONTEXT_MODES, INJECTIONS, ContextMode, Injection, RecomputePolicy, choose
+from mot_cag.names import (
+    CONTEXT_MODES,
+    DEFAULT_RECOMPUTE_POLICY,
+    INJECTIONS,
+    ContextMode,
+    Injection,
+    RecomputePolicy,
+    choose,
+)
 from mot_cag.pipeline.context import Piece, Recompute
 from mot_cag.pipeline.translation import builder_for
 
@@ -33,7 +41,7 @@ class EvalRequest:
     max_new_tokens: int = 24
     injection: Injection = "auto"
     recompute: float | str = "auto"
-    recompute_policy: RecomputePolicy = "deviation"
+    recompute_policy: RecomputePolicy = DEFAULT_RECOMPUTE_POLICY
     replay_window: float | str = "auto"
 
 

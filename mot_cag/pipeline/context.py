@@ -30,14 +30,22 @@ from mot_cag.errors import MotCagError
 from mot_cag.models import cache as kv
 from mot_cag.models.positions import Positioner
 from mot_cag.models.registry import LoadedModel
-from mot_cag.names import CONTEXT_MODES, RECOMPUTE_POLICIES, ContextMode, RecomputePolicy, choose
+from mot_cag.names import (
+    CONTEXT_MODES,
+    DEFAULT_RECOMPUTE_POLICY,
+    RECOMPUTE_POLICIES,
+    ContextMode,
+    RecomputePolicy,
+    choose,
+)
 from mot_cag.prompts import PromptFormat, as_tensor, encode, prefixes_chunks, prompt_format
 
-#: What ``--recompute auto`` (the default) recomputes of a context whose pieces were prefilled after the prompt
-#: head (real models). 0: on the held-out corpus, deviation recompute of 0.1 (chosen on 28 dev questions) gave
-#: fewer right answers for all three real models while it brought KL closer to direct; docs/chunk-caches.md.
-#: Contexts of the zoo's format are not repaired by default either.
-AUTO_RECOMPUTE = 0.0
+#: What ``--recompute auto`` (the default) recomputes of a real model's own stored chunks (pieces prefilled after
+#: the prompt head), with the default policy ``end``: the context's last 35% of tokens, where the most relevant
+#: chunk stands, re-read over all the others. Chosen on the dev corpus and the demo question (docs/chunk-caches.md);
+#: deviation recompute at 0.1-0.15 had lowered the answers. Zoo contexts and another model's translated chunks
+#: are not repaired by default.
+AUTO_RECOMPUTE = 0.35
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,13 @@ class Recompute:
     Attributes:
         ratio: Fraction of context tokens recomputed (0 = off, 1 = a full prefill); ``None`` (auto) lets the
             builder choose: :data:`AUTO_RECOMPUTE` for pieces prefilled after the prompt head, else 0.
-        policy: ``deviation`` (CacheBlend: tokens whose layer-1 K/V deviate most from a partial single pass),
-            ``start`` (the first tokens of every piece after the first) or ``spread`` (evenly spaced).
+        policy: ``end`` (the default: the last tokens, next to the question), ``deviation`` (CacheBlend: tokens
+            whose layer-1 K/V deviate most from a partial single pass), ``start`` (the first tokens of every piece
+            after the first) or ``spread`` (evenly spaced).
     """
 
     ratio: float | None = None
-    policy: RecomputePolicy = "deviation"
+    policy: RecomputePolicy = DEFAULT_RECOMPUTE_POLICY
 
     def __post_init__(self) -> None:
         if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
@@ -67,12 +76,12 @@ class Recompute:
             MotCagError: Neither ``auto`` nor a number in [0, 1].
         """
         if ratio is None or (isinstance(ratio, str) and ratio.strip().lower() == "auto"):
-            return cls(None, policy or "deviation")
+            return cls(None, policy or DEFAULT_RECOMPUTE_POLICY)
         try:
             value = float(ratio)
         except (TypeError, ValueError):
             raise MotCagError(f"--recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {ratio!r}.") from None
-        return cls(value, policy or "deviation")
+        return cls(value, policy or DEFAULT_RECOMPUTE_POLICY)
 
     def resolved(self, prefixed: bool) -> Recompute:
         """This repair with ``auto`` made concrete for a builder (prefixed pieces or not)."""

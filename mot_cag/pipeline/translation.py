@@ -157,6 +157,9 @@ def translated_builder(
 
     tr = _load(source, target, translator)
     injection = check_injection(tr, AUTO_INJECTION if injection == "auto" else injection)
+    # The auto repair was measured on a model's own chunks; another model's translated chunks get none unless asked
+    # (replay-joint already recomputes the layers below its window across chunks).
+    recompute = (recompute or Recompute()).resolved(prefixed=False)  # auto -> 0; an explicit ratio is kept
     prefixed = check_translator_prefix(tr, target, chunk_prefix)
     # A prefixed translator maps chunks made after the source's head (text + separator) onto the target's
     # chunks made after its own head, which stands once at the front of the context.
