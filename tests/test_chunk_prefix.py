@@ -241,19 +241,27 @@ def test_translated_prefixed_store_aligns_text_and_separator_after_the_head(chat
     st.close()
 
 
-def test_auto_recompute_repairs_own_stored_chunks_not_another_models_translated_ones(chat_lm, monkeypatch):
+def test_auto_injection_and_repair_per_context_kind(chat_lm, monkeypatch):
+    """auto: a model's own prefixed chunks get the tail recompute; another model's prefixed chunks are injected in
+    every layer and get it too; a replay gets none unless asked, and chunks prefilled alone keep replay-joint."""
     import mot_cag.pipeline.translation as translation
-    from mot_cag.pipeline.context import AUTO_RECOMPUTE
+    from mot_cag.pipeline.context import AUTO_RECOMPUTE, ReplayJointContext
+    from mot_cag.translate.mot import build_translator
 
     head = prompt_format(chat_lm).head
     assert translated_builder(chat_lm, chat_lm, chunk_prefix=head).recompute.ratio == AUTO_RECOMPUTE
     monkeypatch.setattr(translation, "same_model", lambda a, b: False)
     tr = _prefixed_identity(chat_lm)
+    auto = translated_builder(chat_lm, chat_lm, tr, "auto", chunk_prefix=head)
+    assert not isinstance(auto, ReplayJointContext) and auto.recompute == Recompute(AUTO_RECOMPUTE, "end")
+    assert translated_builder(chat_lm, chat_lm, tr, "replay-joint", chunk_prefix=head).recompute.ratio == 0.0
+    start = Recompute(0.1, "start")
     for injection in ("inject-all", "replay-joint"):
-        assert translated_builder(chat_lm, chat_lm, tr, injection, chunk_prefix=head).recompute.ratio == 0.0
-        start = Recompute(0.1, "start")
         asked = translated_builder(chat_lm, chat_lm, tr, injection, recompute=start, chunk_prefix=head)
         assert asked.recompute == start
+    alone = build_translator(chat_lm, chat_lm, expert="mlp", experts=1, top_k=1, hidden=8).eval()
+    zoo_like = translated_builder(chat_lm, chat_lm, alone, "auto", chunk_prefix=())
+    assert isinstance(zoo_like, ReplayJointContext) and zoo_like.recompute.ratio == 0.0
 
 
 def test_translator_and_store_must_agree_on_the_chunk_prefix(chat_lm, monkeypatch):

@@ -62,8 +62,8 @@ def test_replay_joint_with_empty_window_is_direct_and_full_window_is_joined(tiny
 
 
 def test_translated_builder_picks_injection(tiny_models, tmp_path):
-    """auto = replay-joint for a cross-model pair; each injection gives a cache over the same tokens; a bad
-    name and a replay-only translator asked for direct injection are refused clearly."""
+    """auto = replay-joint for a zoo pair (chunks prefilled alone); each injection gives a cache over the same
+    tokens; a bad name and a replay-only translator asked for direct injection are refused clearly."""
     from mot_cag.pipeline.translation import translated_builder
     from mot_cag.translate.checkpoint import save_translator
     from mot_cag.translate.mot import build_translator

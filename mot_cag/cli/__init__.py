@@ -84,7 +84,8 @@ RecomputePolicyOpt = Annotated[str | None, typer.Option(
          + ".")]
 InjectionOpt = Annotated[str | None, typer.Option(
     metavar=_choices(INJECTIONS),
-    help="How translated caches enter the target: auto (= replay-joint), inject-all (translated K/V are "
+    help="How translated caches enter the target: auto (real models' translators: inject-all, then the context's "
+         "tail recomputed; the zoo's: replay-joint), inject-all (translated K/V are "
          "the cache; fastest; old spelling: direct), replay (the target re-runs each chunk with translated K/V "
          "in its window layers) or "
          "replay-joint (one such re-run over all retrieved chunks, with cross-chunk attention); "

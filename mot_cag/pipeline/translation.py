@@ -24,9 +24,22 @@ from mot_cag.pipeline.context import (
 from mot_cag.prompts import prompt_format
 
 AUTO_INJECTION = "replay-joint"
-"""What ``auto`` means: on the held-out store corpora, replay over the joined context keeps 0.99 of the context's
-effect (kl_benefit) for every zoo target, injecting all layers 0.81-0.94 (mot_cag/zoo/translators/RESULTS.md, "Over a
-store")."""
+"""What ``auto`` means for translators of chunks prefilled alone (the zoo): on the held-out store corpora, replay
+over the joined context keeps 0.99 of the context's effect (kl_benefit) for every zoo target, injecting all layers
+0.81-0.94 (mot_cag/zoo/translators/RESULTS.md, "Over a store")."""
+
+AUTO_INJECTION_PREFIXED = "inject-all"
+"""What ``auto`` means for translators of chunks prefilled after the prompt head (the real models): every layer
+translated, then the context's tail, where the most relevant chunk stands, re-read by the target over the translated
+rest (the auto recompute). On held-out questions of the six real pairs it kept more of reading the text than
+replay-joint, at a lower time to first token (docs/translators-real.md)."""
+
+
+def auto_injection(translator) -> str:
+    """The injection ``auto`` stands for with ``translator``: :data:`AUTO_INJECTION_PREFIXED` for one trained on
+    prefixed chunks that covers every layer, else :data:`AUTO_INJECTION`."""
+    cfg = translator.config
+    return AUTO_INJECTION_PREFIXED if cfg.source_head and cfg.coverage == "inject-all" else AUTO_INJECTION
 
 
 def same_model(a: LoadedModel, b: LoadedModel) -> bool:
@@ -125,10 +138,11 @@ def translated_builder(
         translator: Translator folder (default: the one found for the pair).
         injection: ``inject-all`` (translated K/V are the cache; old spelling ``direct``), ``replay`` (each piece
             replayed by the target), ``replay-joint`` (one replay over all pieces), or ``auto``
-            (:data:`AUTO_INJECTION`). Ignored when the target is the source model (its stored caches are used as
+            (:func:`auto_injection`). Ignored when the target is the source model (its stored caches are used as
             they are).
         cache: LRU of translated pieces (shared across builders of one target, optional).
-        recompute: Cross-chunk repair applied to the assembled context (default: off).
+        recompute: Cross-chunk repair applied to the assembled context (default auto: the tail recompute for a
+            model's own prefixed chunks and for inject-all over prefixed chunks; none otherwise).
         chunk_prefix: The prefix ids the store's chunks were prefilled after (:attr:`~mot_cag.store.store.
             StoreConfig.prefix_ids`; empty: none), when known. With the source as target, a non-empty prefix
             must be the target's prompt head, whose KV then stands once before the stored chunks.
@@ -156,11 +170,11 @@ def translated_builder(
     from mot_cag.translate.inject import check_injection
 
     tr = _load(source, target, translator)
-    injection = check_injection(tr, AUTO_INJECTION if injection == "auto" else injection)
-    # The auto repair was measured on a model's own chunks; another model's translated chunks get none unless asked
-    # (replay-joint already recomputes the layers below its window across chunks).
-    recompute = (recompute or Recompute()).resolved(prefixed=False)  # auto -> 0; an explicit ratio is kept
+    injection = check_injection(tr, auto_injection(tr) if injection == "auto" else injection)
     prefixed = check_translator_prefix(tr, target, chunk_prefix)
+    # The auto repair (the tail re-read by the target) was measured on prefixed chunks whose every layer is
+    # translated; a replay already recomputes the layers below its window across chunks, so it gets none unless asked.
+    recompute = (recompute or Recompute()).resolved(prefixed and injection == "inject-all")
     # A prefixed translator maps chunks made after the source's head (text + separator) onto the target's
     # chunks made after its own head, which stands once at the front of the context.
     sep = prompt_format(target).separator if prefixed else ""

@@ -1,6 +1,9 @@
 """The demo question through each real model's own stored chunks, per recompute setting."""
-import sys, json
+import json
+import sys
+
 import torch
+
 from mot_cag.ingest import ingest
 from mot_cag.pipeline.ask import Asker
 from mot_cag.pipeline.context import Recompute
