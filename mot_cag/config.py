@@ -81,8 +81,8 @@ class PipelineConfig:
             ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
             cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
-            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE` for a real model's own stored chunks, 0 for
-            translated chunks of another model and the zoo; docs/chunk-caches.md).
+            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE` for a real model's own stored chunks and for
+            inject-all over another real model's chunks, 0 for replay injections and the zoo; docs/chunk-caches.md).
         recompute_policy: Which tokens: ``end`` (default), ``deviation``, ``start`` or ``spread``.
         replay_window: Replay-joint injection: the share of the target's layers, from the top, that take
             translated K/V (the target computes the layers below over the whole context: about ``1 - window``

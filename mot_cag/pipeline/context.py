@@ -43,8 +43,8 @@ from mot_cag.prompts import PromptFormat, as_tensor, encode, prefixes_chunks, pr
 #: What ``--recompute auto`` (the default) recomputes of a real model's own stored chunks (pieces prefilled after
 #: the prompt head), with the default policy ``end``: the context's last 35% of tokens, where the most relevant
 #: chunk stands, re-read over all the others. Chosen on the dev corpus and the demo question (docs/chunk-caches.md);
-#: deviation recompute at 0.1-0.15 had lowered the answers. Zoo contexts and another model's translated chunks
-#: are not repaired by default.
+#: deviation recompute at 0.1-0.15 had lowered the answers. The same repair follows inject-all over another real
+#: model's prefixed chunks (pipeline/translation.py); zoo contexts and replay injections get none by default.
 AUTO_RECOMPUTE = 0.35
 
 
