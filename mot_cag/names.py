@@ -35,10 +35,10 @@ INJECTIONS: tuple[str, ...] = get_args(Injection)
 COVERAGES: tuple[str, ...] = get_args(Coverage)
 RECOMPUTE_POLICIES: tuple[str, ...] = get_args(RecomputePolicy)
 POSITIONAL_POLICIES: tuple[str, ...] = get_args(PositionalPolicy)
-CHUNK_PREFIXES: tuple[str, ...] = get_args(ChunkPrefix)
 #: Which tokens ``--recompute`` picks unless told: the context's tail, next to the question (docs/chunk-caches.md:
 #: on real models it repaired more answers than CacheBlend's deviation choice, without its partial pass).
 DEFAULT_RECOMPUTE_POLICY: RecomputePolicy = "end"
+CHUNK_PREFIXES: tuple[str, ...] = get_args(ChunkPrefix)
 STORED_CHUNK_PREFIXES: tuple[str, ...] = get_args(StoredChunkPrefix)
 KV_DTYPES: tuple[str, ...] = get_args(KVDtype)
 

@@ -197,19 +197,11 @@ def test_spread_policy_is_evenly_spaced():
 
 
 def test_end_policy_takes_the_tail_next_to_the_question():
+    """The last piece's share selects exactly the last piece, whose recompute equals a single pass
+    (test_recomputing_every_token_equals_single_pass)."""
     assert rc.recompute_indices("end", 16, 0.25, [0, 6, 10]) == [12, 13, 14, 15]
+    assert rc.recompute_indices("end", 16, 6 / 16, [0, 6, 10]) == list(range(10, 16))
     assert rc.recompute_indices("end", 10, 0.01, [0]) == [9]  # some repair, at the very end
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_end_policy_over_the_last_piece_equals_a_single_pass(tiny_models, family):
-    """The tail recomputed is the last piece read after every earlier one, as one pass over the text reads it."""
-    lm = tiny_models[family]
-    ids, joined, boundary = _two_pieces(lm)
-    n = ids.shape[0]
-    indices = rc.recompute_indices("end", n, (n - boundary) / n, [0, boundary])
-    assert indices == list(range(boundary, n))
-    assert _max_diff(kv.selective_recompute(lm.model, joined, ids, indices), kv.prefill(lm.model, ids)) <= ATOL
 
 
 def test_policies_reject_bad_input():
