@@ -173,9 +173,15 @@ def train_cmd(
         help="auto, prompt or none: train on chunks prefilled after each model's prompt head, as prefixed stores "
              "hold them (auto: when both models make prefixed stores).")] = "auto",
     calibration_tokens: Annotated[int, typer.Option(help="Tokens that fit normalisation (and the ridge).")] = 4096,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Discard the saved state of an interrupted run into the same folder and start over "
+                        "(by default a rerun with the same settings continues where it stopped).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it."""
+    """Train a Mixture-of-Translators for (source, target) and save it where `mot-cag translators` finds it.
+
+    A run keeps its state in <out>.partial every 10 steps and when interrupted (Ctrl-C); rerunning the same
+    command continues from there."""
     from mot_cag.translate.recipe import TrainRequest, run_training
     from mot_cag.translate.spec import TranslatorSpec
     from mot_cag.translate.train import TrainConfig
@@ -190,9 +196,13 @@ def train_cmd(
     except ValueError as e:
         raise MotCagError(str(e)) from None
     req = TrainRequest(source=source, target=target, spec=spec, train=cfg, out=out_dir,
-                       eval_examples=eval_examples, device=device, half=half)
+                       eval_examples=eval_examples, device=device, half=half, fresh=fresh)
 
     def log(r: dict) -> None:  # progress goes to stderr, so --json output on stdout stays clean
+        if "resumed_from" in r:
+            err.print(f"resuming an interrupted run after step {r['resumed_from']} (--fresh starts over)",
+                      highlight=False)
+            return
         err.print(f"step {r['step']}: loss {r['loss']:.4f} (ce {r['ce']:.4f}, ccl {r['ccl']:.4f}, "
                   f"kl {r['kl']:.5f}) lr {r['lr']:.2e} {r['seconds']}s", highlight=False)
 

@@ -5,6 +5,7 @@ finds it."""
 from __future__ import annotations
 
 import itertools
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from mot_cag.prompts import prefixes_chunks, prompt_format
 from mot_cag.translate.checkpoint import pair_dirname, save_translator, user_dir
 from mot_cag.translate.data import Pair, document_pairs, prose_pairs, real_text_pairs, synthetic_pairs
 from mot_cag.translate.mot import build_translator
+from mot_cag.translate.resume import state_dir_for
 from mot_cag.translate.ridge import fit_ridge_translator
 from mot_cag.translate.spec import TranslatorSpec
 from mot_cag.translate.train import Heads, TrainConfig, evaluate_translator, example_stream, train_translator
@@ -38,6 +40,8 @@ class TrainRequest:
         eval_examples: Held-out pairs (eval split, fresh seed) scored after training (0: skip).
         device: ``auto``, ``cpu``, ``cuda``...
         half: Store the weights as float16.
+        fresh: Discard the saved state of an interrupted run of this output folder and start over (otherwise a
+            run with the same settings continues from it; :mod:`mot_cag.translate.resume`).
     """
 
     source: str
@@ -48,6 +52,7 @@ class TrainRequest:
     eval_examples: int = 16
     device: str = "auto"
     half: bool = False
+    fresh: bool = False
 
 
 def heldout_pairs(n: int, seed: int = 12345, data: str = "synthetic") -> list[Pair]:
@@ -72,6 +77,11 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
         req.train.chunk_prefix = "prompt" if both else "none"
     torch.manual_seed(req.train.seed)
     spec = req.spec
+    suffix = "" if spec.label == "mot" and spec.coverage == "inject-all" else f"{spec.label}-{spec.coverage}"
+    out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
+    partial = state_dir_for(out)
+    if req.fresh:
+        shutil.rmtree(partial, ignore_errors=True)
     try:
         if spec.kind == "ridge":
             translator = fit_ridge_translator(source, target, example_stream(source, target, req.train),
@@ -80,7 +90,7 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
             translator.config.training["config"] = asdict(req.train)
         else:
             translator = build_translator(source, target, spec)
-            train_translator(translator, source, target, req.train, log=log)
+            train_translator(translator, source, target, req.train, log=log, state_dir=partial)
     except ValueError as e:
         raise MotCagError(str(e)) from None
     heads = None
@@ -88,8 +98,6 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
         heads = Heads.of(source, target)
         translator.config.source_head = list(prompt_format(source).head)
         translator.config.target_head = list(prompt_format(target).head)
-    suffix = "" if spec.label == "mot" and spec.coverage == "inject-all" else f"{spec.label}-{spec.coverage}"
-    out = Path(req.out) if req.out else user_dir() / pair_dirname(req.source, req.target, suffix)
     result = {"source": req.source, "target": req.target, "kind": translator.config.kind, "coverage": spec.coverage,
               "experts": translator.config.experts, "params": translator.parameter_count()}
     if req.eval_examples:
@@ -100,6 +108,7 @@ def run_training(req: TrainRequest, log: Callable[[dict], None] | None = None) -
                           for m in ways if not (m == "inject-all" and spec.coverage == "replay")}
         translator.config.training["heldout"] = result["eval"]
     save_translator(translator, out, half=req.half)
+    shutil.rmtree(partial, ignore_errors=True)  # the run is complete: its resumable state is not needed
     result.update({"path": str(out), "seconds": round(time.time() - t0, 1),
                    "final": {k: v for k, v in translator.config.training.get("final", {}).items()}})
     return result

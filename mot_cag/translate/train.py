@@ -27,6 +27,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,8 @@ class TrainConfig:
             (:data:`mot_cag.config.CHUNK_PREFIXES`). ``auto`` (resolved by :func:`run_training`): ``prompt`` when
             both models would make prefixed stores (RoPE models with a chat or completion prompt).
         log_every: Steps between log records.
+        checkpoint_every: Steps between saved training states when the run has a state folder (resumable
+            runs, :mod:`mot_cag.translate.resume`); 0 saves only on an interrupt.
     """
 
     steps: int = 300
@@ -99,6 +102,7 @@ class TrainConfig:
     plain_chunk: float = 0.5
     chunk_prefix: str = "none"
     log_every: int = 10
+    checkpoint_every: int = 10
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -276,19 +280,47 @@ def _param_groups(translator: Translator, cfg: TrainConfig) -> list[dict]:
     return groups
 
 
-def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) -> Iterable[Example]:
-    """Endless prepared examples from ``cfg.data``."""
-    rng = random.Random(cfg.seed if seed is None else seed)
-    heads = Heads.of(source, target) if cfg.chunk_prefix == "prompt" else None
-    for pair in pair_stream(cfg.data, cfg.seed if seed is None else seed, cfg.repeat_prob):
+class ExampleStream:
+    """Endless prepared examples from ``cfg.data``.
+
+    ``pairs_used`` counts the text pairs drawn so far, usable or not; a stream made with ``skip=n`` draws (and
+    discards, unprepared) the first ``n`` pairs and their random choices, so a resumed run continues with the
+    examples the interrupted one would have seen next.
+    """
+
+    def __init__(self, source, target, cfg: TrainConfig, seed: int | None = None, skip: int = 0):
+        seed = cfg.seed if seed is None else seed
+        self.source, self.target, self.cfg = source, target, cfg
+        self.rng = random.Random(seed)
+        self.heads = Heads.of(source, target) if cfg.chunk_prefix == "prompt" else None
+        self.pairs = iter(pair_stream(cfg.data, seed, cfg.repeat_prob))
+        self.pairs_used = 0
+        for _ in range(skip):
+            self._draw()
+
+    def _draw(self) -> tuple[Pair, int, bool]:
+        pair = next(self.pairs)
+        self.pairs_used += 1
         start = 0
-        if target.layout.positions == "absolute" and rng.random() < cfg.random_start:
-            start = rng.randint(1, max(1, target.layout.max_positions // 4))
-        plain = rng.random() < cfg.plain_chunk
-        ex = prepare_example(source, target, pair, cfg.max_context_tokens, start, src_special_tokens=not plain,
-                             heads=heads)
-        if ex is not None:
-            yield ex
+        if self.target.layout.positions == "absolute" and self.rng.random() < self.cfg.random_start:
+            start = self.rng.randint(1, max(1, self.target.layout.max_positions // 4))
+        return pair, start, self.rng.random() < self.cfg.plain_chunk
+
+    def __iter__(self) -> ExampleStream:
+        return self
+
+    def __next__(self) -> Example:
+        while True:
+            pair, start, plain = self._draw()
+            ex = prepare_example(self.source, self.target, pair, self.cfg.max_context_tokens, start,
+                                 src_special_tokens=not plain, heads=self.heads)
+            if ex is not None:
+                return ex
+
+
+def example_stream(source, target, cfg: TrainConfig, seed: int | None = None) -> Iterable[Example]:
+    """Endless prepared examples from ``cfg.data`` (:class:`ExampleStream`)."""
+    return ExampleStream(source, target, cfg, seed)
 
 
 def train_translator(
@@ -297,6 +329,7 @@ def train_translator(
     target,
     cfg: TrainConfig,
     log: Callable[[dict], None] | None = None,
+    state_dir: str | Path | None = None,
 ) -> dict:
     """Train ``translator`` in place (source and target stay frozen).
 
@@ -305,50 +338,102 @@ def train_translator(
         source: Source loaded model.
         target: Target loaded model.
         cfg: Settings.
-        log: Called with a record every ``cfg.log_every`` steps (step, loss terms, lr, router balance, seconds).
+        log: Called with a record every ``cfg.log_every`` steps (step, loss terms, lr, router balance, seconds),
+            and with ``{"resumed_from": step}`` when a saved state is picked up.
+        state_dir: Keep a resumable state here (every ``cfg.checkpoint_every`` steps and on an interrupt) and
+            continue from the one found there (:mod:`mot_cag.translate.resume`); ``None``: not resumable.
 
     Returns:
         A training summary (also stored in ``translator.config.training``).
+
+    Raises:
+        MotCagError: The saved state is damaged or belongs to a run with other settings.
     """
-    from mot_cag.translate.ridge import calibrate
+    from mot_cag.translate import resume
 
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    calib = calibrate(translator, example_stream(source, target, cfg, seed=cfg.seed + 10_000),
-                      cfg.calibration_tokens, fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda, target=target)
+    state_dir = Path(state_dir) if state_dir is not None else None
+    state, saved = _begin(translator, source, target, cfg, state_dir)
+    resumed_from = state.step if saved is not None else None
     params = [p for p in translator.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(_param_groups(translator, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg))
-    stream = iter(example_stream(source, target, cfg))
+    if saved is not None:
+        resume.restore(translator, opt, sched, *saved)
+        if log is not None:
+            log({"resumed_from": state.step})
+    stream = ExampleStream(source, target, cfg, skip=state.pairs_used)
     weights = {"ce": cfg.ce, "ccl": cfg.ccl, "kl": cfg.kl, "balance": cfg.balance}
-    history: list[dict] = []
-    running: dict[str, float] = {}
     translator.train()
-    for step in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        for _ in range(cfg.batch):
-            terms = loss_terms(translator, next(stream), target)
-            loss = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
-            (loss / cfg.batch).backward()
-            for k, v in terms.items():
-                running[k] = running.get(k, 0.0) + float(v.detach()) / cfg.batch
-            running["loss"] = running.get("loss", 0.0) + float(loss.detach()) / cfg.batch
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        opt.step()
-        sched.step()
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            n = cfg.log_every if (step + 1) % cfg.log_every == 0 else (step + 1) % cfg.log_every
-            record = {"step": step + 1, **{k: v / n for k, v in running.items()}, "lr": sched.get_last_lr()[0],
-                      "grad_norm": grad_norm, "seconds": round(time.time() - t0, 1), **translator.balance()}
-            history.append(record)
-            running = {}
-            if log is not None:
-                log(record)
+    try:
+        for step in range(state.step, cfg.steps):
+            _train_step(translator, target, stream, opt, cfg, weights, state.running)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            opt.step()
+            sched.step()
+            state.step, state.pairs_used = step + 1, stream.pairs_used
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                _log_record(state, cfg, translator, sched.get_last_lr()[0], grad_norm, t0, log)
+            # The last step too: an interrupt during the held-out scoring after it then loses no training.
+            if state_dir is not None and cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0
+                                                                   or step + 1 == cfg.steps):
+                resume.save_state(state_dir, state, translator, opt, sched)
+    except KeyboardInterrupt:
+        # The last completed step is a consistent state (a half-accumulated batch is dropped).
+        if state_dir is not None and state.step > (resumed_from or 0):
+            resume.save_state(state_dir, state, translator, opt, sched)
+        raise
     translator.eval()
-    summary = {"config": asdict(cfg), "calibration": calib, "steps": cfg.steps, "seconds": round(time.time() - t0, 1),
-               "final": history[-1] if history else {}, "history": history}
+    summary = {"config": asdict(cfg), "calibration": state.calibration, "steps": cfg.steps,
+               "seconds": round(time.time() - t0, 1), "final": state.history[-1] if state.history else {},
+               "history": state.history}
+    if resumed_from is not None:
+        summary["resumed_from"] = resumed_from
     translator.config.training = summary
     return summary
+
+
+def _begin(translator: Translator, source, target, cfg: TrainConfig, state_dir: Path | None):
+    """Where a run starts: the saved state in ``state_dir`` (with its tensors and metadata), or step 0 after
+    calibrating the translator (and fitting its ridge start)."""
+    from mot_cag.translate import resume
+    from mot_cag.translate.ridge import calibrate
+
+    key = resume.settings_key(cfg, translator)
+    saved = resume.load_state(state_dir, key) if state_dir is not None else None
+    if saved is not None:
+        return saved[0], saved[1:]
+    calib = calibrate(translator, example_stream(source, target, cfg, seed=cfg.seed + 10_000), cfg.calibration_tokens,
+                      fit=cfg.init == "ridge", ridge_lambda=cfg.ridge_lambda, target=target)
+    return resume.TrainState(step=0, pairs_used=0, key=key, calibration=calib), None
+
+
+def _log_record(state, cfg: TrainConfig, translator: Translator, lr: float, grad_norm: float, t0: float,
+                log: Callable[[dict], None] | None) -> dict:
+    """The log record of the steps since the last one (means of the running sums, which it resets), passed to
+    ``log``."""
+    n = cfg.log_every if state.step % cfg.log_every == 0 else state.step % cfg.log_every
+    record = {"step": state.step, **{k: v / n for k, v in state.running.items()}, "lr": lr, "grad_norm": grad_norm,
+              "seconds": round(time.time() - t0, 1), **translator.balance()}
+    state.history.append(record)
+    state.running = {}
+    if log is not None:
+        log(record)
+    return record
+
+
+def _train_step(translator: Translator, target, stream: ExampleStream, opt, cfg: TrainConfig, weights: dict,
+                running: dict) -> None:
+    """One step's gradients: ``cfg.batch`` examples accumulated; loss terms added to ``running``."""
+    opt.zero_grad(set_to_none=True)
+    for _ in range(cfg.batch):
+        terms = loss_terms(translator, next(stream), target)
+        loss = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
+        (loss / cfg.batch).backward()
+        for k, v in terms.items():
+            running[k] = running.get(k, 0.0) + float(v.detach()) / cfg.batch
+        running["loss"] = running.get("loss", 0.0) + float(loss.detach()) / cfg.batch
 
 
 # ------------------------------------------------------------------------------------------- evaluation
