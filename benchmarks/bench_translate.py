@@ -70,8 +70,8 @@ def _default_models() -> list[str]:
     return [str(tiny.build(f, root / f"tiny-{f}")) for f in ("gpt2", "opt", "qwen2")]
 
 
-def bench_pair(source, target, tokens: int, repeats: int) -> dict:
-    """Median timings of one pair (see the module docstring)."""
+def bench_pair(source, target, tokens: int, repeats: int, translator: str | None = None) -> dict:
+    """Median timings of one pair (see the module docstring); ``translator``: a folder instead of the one found."""
     from mot_cag.errors import TranslatorError
     from mot_cag.models.cache import prefill
     from mot_cag.translate.alignment import token_alignment
@@ -80,8 +80,8 @@ def bench_pair(source, target, tokens: int, repeats: int) -> dict:
     from mot_cag.translate.mot import build_translator
 
     try:
-        tr = load_translator(find_translator(source.name, target.name), source, target)
-        origin = "trained"
+        tr = load_translator(translator or find_translator(source.name, target.name), source, target)
+        origin = Path(translator).name if translator else "trained"
     except TranslatorError:
         tr = build_translator(source, target).eval()
         origin = "fresh"
@@ -118,8 +118,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (ignored on CUDA).")
+    ap.add_argument("--translator", nargs="*", default=None,
+                    help="Translator folders of one pair (--models SOURCE TARGET), timed one after another in this "
+                         "process against the same target prefill (e.g. a trained mixture vs the ridge baseline).")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.translator and len(args.models or []) != 2:
+        ap.error("--translator needs --models SOURCE TARGET")
 
     from mot_cag.device import pick_device
     from mot_cag.models.registry import load_model
@@ -130,7 +135,10 @@ def main() -> None:
     models = {n: load_model(n, device=device) for n in names}
     # Another tokenizer may need more tokens for the same text: stay well inside every position table.
     args.tokens = min(args.tokens, min(m.layout.max_positions for m in models.values()) // 2)
-    rows = [bench_pair(models[s], models[t], args.tokens, args.repeats) for s in names for t in names if s != t]
+    if args.translator:
+        rows = [bench_pair(models[names[0]], models[names[1]], args.tokens, args.repeats, tr) for tr in args.translator]
+    else:
+        rows = [bench_pair(models[s], models[t], args.tokens, args.repeats) for s in names for t in names if s != t]
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -76,13 +76,15 @@ class PipelineConfig:
             i.e. real models; ``none`` for the zoo's synthetic-QA format and absolute-position models).
         top_k: Chunks retrieved per question.
         mode: Default context mode of ``ask``.
-        injection: How translated caches enter the target: ``auto`` (= ``replay-joint``), ``inject-all`` (every
+        injection: How translated caches enter the target: ``auto`` (``inject-all`` followed by the tail recompute
+            for translators of prefixed chunks, the real pairs; ``replay-joint`` for the zoo's), ``inject-all`` (every
             layer translated; old spelling ``direct``), ``replay`` (each chunk replayed by the target) or
             ``replay-joint`` (one replay over all retrieved chunks).
         recompute: Fraction of context tokens recomputed against the whole context (CacheBlend-style
             cross-chunk repair of joined caches; 0 = off), or ``auto``: the measured default of the context's
-            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE` for a real model's own stored chunks and for
-            inject-all over another real model's chunks, 0 for replay injections and the zoo; docs/chunk-caches.md).
+            kind (:data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE`, 0.35, for a real model's own stored chunks,
+            :data:`~mot_cag.pipeline.context.AUTO_RECOMPUTE_TRANSLATED`, 0.5, for inject-all over another real
+            model's chunks, 0 for replay injections and the zoo; docs/chunk-caches.md, docs/translators-real.md).
         recompute_policy: Which tokens: ``end`` (default), ``deviation``, ``start`` or ``spread``.
         replay_window: Replay-joint injection: the share of the target's layers, from the top, that take
             translated K/V (the target computes the layers below over the whole context: about ``1 - window``

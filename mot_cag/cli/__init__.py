@@ -74,9 +74,9 @@ RecomputeOpt = Annotated[str | None, typer.Option(
     metavar="[auto|0-1]",
     help="Cross-chunk repair: fraction of context tokens (0-1) whose K/V are recomputed against the whole "
          "context (CacheBlend-style; native-chunks and translated modes). 0 = off; auto (default) = the measured "
-         "default: 0.35 for a real model's own stored chunks and for real pairs injected in every layer, 0 for "
+         "default: 0.35 for a real model's own stored chunks, 0.5 for real pairs injected in every layer, 0 for "
          "replay injections and the zoo "
-         "(docs/chunk-caches.md).")]
+         "(docs/chunk-caches.md, docs/translators-real.md).")]
 RecomputePolicyOpt = Annotated[str | None, typer.Option(
     metavar=_choices(RECOMPUTE_POLICIES),
     help="Which tokens --recompute picks: end (the last tokens, next to the question, where the most relevant "

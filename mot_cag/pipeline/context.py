@@ -43,9 +43,18 @@ from mot_cag.prompts import PromptFormat, as_tensor, encode, prefixes_chunks, pr
 #: What ``--recompute auto`` (the default) recomputes of a real model's own stored chunks (pieces prefilled after
 #: the prompt head), with the default policy ``end``: the context's last 35% of tokens, where the most relevant
 #: chunk stands, re-read over all the others. Chosen on the dev corpus and the demo question (docs/chunk-caches.md);
-#: deviation recompute at 0.1-0.15 had lowered the answers. The same repair follows inject-all over another real
-#: model's prefixed chunks (pipeline/translation.py); zoo contexts and replay injections get none by default.
+#: deviation recompute at 0.1-0.15 had lowered the answers. Inject-all over another real model's prefixed chunks
+#: gets the same repair over a longer tail (:data:`AUTO_RECOMPUTE_TRANSLATED`); zoo contexts and replay injections
+#: get none by default.
 AUTO_RECOMPUTE = 0.35
+
+#: What ``--recompute auto`` recomputes (policy ``end``) when another real model's prefixed chunks are translated
+#: into every layer of the target (the real pairs' auto injection): the context's last half. Translated chunks
+#: carry a context's gist but not its exact facts, so more of the context is re-read natively than for a model's
+#: own chunks. Chosen by a rule fixed before a held-out run (seed 61283, 6 pairs x 24 questions): as many right
+#: answers as 0.35 (87 of 144 each) with a higher kl_benefit on every pair (mean 0.958 vs 0.936; at 0.35 one pair
+#: fell to 0.876); docs/translators-real.md. Costs about 0.1x of a prefill more time to first token.
+AUTO_RECOMPUTE_TRANSLATED = 0.5
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,8 @@ class Recompute:
 
     Attributes:
         ratio: Fraction of context tokens recomputed (0 = off, 1 = a full prefill); ``None`` (auto) lets the
-            builder choose: :data:`AUTO_RECOMPUTE` for pieces prefilled after the prompt head, else 0.
+            builder choose: :data:`AUTO_RECOMPUTE` for a model's own pieces prefilled after the prompt head,
+            :data:`AUTO_RECOMPUTE_TRANSLATED` for another model's such pieces injected into every layer, else 0.
         policy: ``end`` (the default: the last tokens, next to the question), ``deviation`` (CacheBlend: tokens
             whose layer-1 K/V deviate most from a partial single pass), ``start`` (the first tokens of every piece
             after the first) or ``spread`` (evenly spaced).
@@ -83,11 +93,14 @@ class Recompute:
             raise MotCagError(f"--recompute must be auto or a fraction in [0, 1] (e.g. 0.1), got {ratio!r}.") from None
         return cls(value, policy or DEFAULT_RECOMPUTE_POLICY)
 
-    def resolved(self, prefixed: bool) -> Recompute:
-        """This repair with ``auto`` made concrete for a builder (prefixed pieces or not)."""
+    def resolved(self, prefixed: bool, translated: bool = False) -> Recompute:
+        """This repair with ``auto`` made concrete for a builder: prefixed pieces or not, a model's own pieces or
+        another model's translated into every layer (:data:`AUTO_RECOMPUTE_TRANSLATED`)."""
         if self.ratio is not None:
             return self
-        return Recompute(AUTO_RECOMPUTE if prefixed else 0.0, self.policy)
+        if not prefixed:
+            return Recompute(0.0, self.policy)
+        return Recompute(AUTO_RECOMPUTE_TRANSLATED if translated else AUTO_RECOMPUTE, self.policy)
 
     def apply(self, model, ctx: TargetContext) -> TargetContext:
         """``ctx`` with the chosen tokens' K/V recomputed (unchanged when the ratio is 0)."""

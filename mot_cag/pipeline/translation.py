@@ -142,7 +142,8 @@ def translated_builder(
             they are).
         cache: LRU of translated pieces (shared across builders of one target, optional).
         recompute: Cross-chunk repair applied to the assembled context (default auto: the tail recompute for a
-            model's own prefixed chunks and for inject-all over prefixed chunks; none otherwise).
+            model's own prefixed chunks, 0.35, and for inject-all over another model's prefixed chunks, 0.5; none
+            otherwise).
         chunk_prefix: The prefix ids the store's chunks were prefilled after (:attr:`~mot_cag.store.store.
             StoreConfig.prefix_ids`; empty: none), when known. With the source as target, a non-empty prefix
             must be the target's prompt head, whose KV then stands once before the stored chunks.
@@ -174,7 +175,7 @@ def translated_builder(
     prefixed = check_translator_prefix(tr, target, chunk_prefix)
     # The auto repair (the tail re-read by the target) was measured on prefixed chunks whose every layer is
     # translated; a replay already recomputes the layers below its window across chunks, so it gets none unless asked.
-    recompute = (recompute or Recompute()).resolved(prefixed and injection == "inject-all")
+    recompute = (recompute or Recompute()).resolved(prefixed and injection == "inject-all", translated=True)
     # A prefixed translator maps chunks made after the source's head (text + separator) onto the target's
     # chunks made after its own head, which stands once at the front of the context.
     sep = prompt_format(target).separator if prefixed else ""
