@@ -35,6 +35,21 @@ def test_alignment_identity_for_same_tokenizer(tiny_models):
     assert torch.equal(al.W, torch.eye(len(al.src_ids)))
 
 
+def test_tokenizer_fingerprint_is_kept_per_tokenizer_and_follows_added_tokens(tiny_models):
+    """Computed once per tokenizer (a large vocabulary costs ~0.4 s to serialise), recomputed after tokens are
+    added: a translator fitted before them is then told apart."""
+    import copy
+
+    from mot_cag.translate import alignment
+
+    tok = copy.deepcopy(tiny_models["gpt2"].tokenizer)
+    fp = alignment.tokenizer_fingerprint(tok)
+    assert alignment._FINGERPRINTS[tok][1] == fp == alignment.tokenizer_fingerprint(copy.deepcopy(tok))
+    tok.add_tokens(["qqzxnewword"])
+    assert alignment.tokenizer_fingerprint(tok) != fp
+    assert not alignment.same_tokenizer(tok, tiny_models["gpt2"].tokenizer)
+
+
 def test_alignment_split_and_merged_tokens():
     text = "abc def"
     src = [(0, 3), (3, 7)]  # "abc", " def"

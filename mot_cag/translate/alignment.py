@@ -18,6 +18,7 @@ takes the nearest preceding source token.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -37,11 +38,31 @@ class Alignment(NamedTuple):
     W: torch.Tensor
 
 
+#: Fingerprints already computed, per tokenizer object: serialising a large vocabulary (Gemma's 262k entries) takes
+#: ~0.4 s, which every translated chunk used to pay in its alignment.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Identity of a fast tokenizer's behaviour (vocab, merges, normaliser, specials), 16 hex chars."""
+    """Identity of a fast tokenizer's behaviour (vocab, merges, normaliser, specials), 16 hex chars.
+
+    Computed once per tokenizer object and size (adding tokens changes the size, so the fingerprint is computed
+    again)."""
+    size = len(tokenizer)
+    try:
+        cached = _FINGERPRINTS.get(tokenizer)
+    except TypeError:  # an object that cannot be weakly referenced: no cache
+        cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     blob = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    try:
+        _FINGERPRINTS[tokenizer] = (size, fingerprint)
+    except TypeError:
+        pass
+    return fingerprint
 
 
 def same_tokenizer(a, b) -> bool:
