@@ -53,7 +53,8 @@ AUTO_RECOMPUTE = 0.35
 #: carry a context's gist but not its exact facts, so more of the context is re-read natively than for a model's
 #: own chunks. Chosen by a rule fixed before a held-out run (seed 61283, 6 pairs x 24 questions): as many right
 #: answers as 0.35 (87 of 144 each) with a higher kl_benefit on every pair (mean 0.958 vs 0.936; at 0.35 one pair
-#: fell to 0.876); docs/translators-real.md. Costs about 0.1x of a prefill more time to first token.
+#: fell to 0.876); docs/translators-real.md. Costs 0.09-0.2x of reading the text more time to first token
+#: than 0.35 (Qwen target, 1k-4k tokens).
 AUTO_RECOMPUTE_TRANSLATED = 0.5
 
 
