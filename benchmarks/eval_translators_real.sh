@@ -3,7 +3,7 @@
 # used to choose a translator setting) ingested by the source with chunks prefilled after its prompt head, 4
 # retrieved chunks per question, answered by the target in modes direct (reads the text), none, and the
 # translated store chunks with inject-all injection and with replay-joint. Resumable: rerun to continue.
-# The default since 2026-12-06 (inject-all + the tail recompute) is the variant tr:inject-all+end@0.35.
+# The default since 2026-12-06 (inject-all + the tail recompute) is the variant tr:inject-all+end@0.5.
 #   LIMIT=24 bash benchmarks/eval_translators_real.sh
 # VARIANTS (chunk_variants.py names) adds e.g. tr:direct+dev@0.15 (inject-all, then selective recompute);
 # TR defaults to the bundled translators.

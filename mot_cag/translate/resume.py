@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from mot_cag.errors import MotCagError
 
@@ -91,11 +91,9 @@ def load_state(directory: Path, key: str) -> tuple[TrainState, dict, dict] | Non
     if not path.exists():
         return None
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:  # one read: header metadata and tensors
             header = f.metadata() or {}
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
         meta = json.loads(header["meta"])
         state = TrainState(**meta["state"])
     except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
